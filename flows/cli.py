@@ -1,0 +1,42 @@
+"""`rstar2 run`: the whole pipeline from the command line (the same flow the UI triggers)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import yaml
+
+
+def _overrides(pairs: list[str]) -> dict:
+    overrides = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--set expects key=value (dotted key), got {pair!r}")
+        overrides[key] = yaml.safe_load(value)
+    return overrides
+
+
+def main(argv: list[str] | None = None) -> None:
+    # Nothing leaves the machine: no telemetry from the local Prefect server or MLflow.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    from tasks.config import default_config_path
+
+    parser = argparse.ArgumentParser(prog="rstar2", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run the whole pipeline")
+    run.add_argument("--config", default=str(default_config_path()), help="YAML config (default: tiny)")
+    run.add_argument("--run-id", default=None, help="name of the run folder (default: generated)")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config field, e.g. --set rl.roc.mode=off")
+    args = parser.parse_args(argv)
+    from flows.pipeline import pipeline
+
+    pipeline(config=args.config, run_id=args.run_id, overrides=_overrides(args.set))
+
+
+if __name__ == "__main__":
+    main()

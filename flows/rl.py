@@ -1,0 +1,43 @@
+"""An RL stage of GRPO-RoC; each step is a subflow (rollouts -> reward -> RoC -> update -> sync)."""
+
+from prefect import flow
+
+from tasks.config import RunConfig, StageConfig
+from tasks.data.problems import Problem
+from tasks.report import end_run, start_stage_run
+from tasks.rl_update import (keep_unsolved, record_step, rollout_spec, sample_problems, select_batch,
+                             sync_weights, update_policy)
+from tasks.rollouts import roll_out, score, write_rollouts
+from tasks.runtime import RunContext, Runtime
+
+
+@flow(name="rl-step", log_prints=True, validate_parameters=False)
+def rl_step(cfg: RunConfig, ctx: RunContext, runtime: Runtime, stage: StageConfig, step: int,
+            problems: list[Problem], stage_run: str) -> dict:
+    batch_problems = sample_problems(problems, stage.problems_per_step, cfg.seed, stage.name, step)
+    spec = rollout_spec(cfg, stage.max_turns, stage.max_response_tokens, cfg.rollout.temperature)
+    trajectories, times = roll_out(runtime, batch_problems, cfg.rl.rollouts_per_problem, spec,
+                                   desc=f"{stage.name} step {step}")
+    scored = score(runtime, trajectories, batch_problems)
+    batch = select_batch(cfg, trajectories, scored, stage.name, step)
+    write_rollouts(ctx.run_id, ctx.run_dir, stage.name, step, trajectories, batch_problems, scored,
+                   batch.kept, batch.advantages)
+    update = update_policy(runtime, batch, cfg)
+    update |= sync_weights(runtime)
+    return record_step(ctx, stage_run, stage, step, trajectories, scored, batch, times, update)
+
+
+@flow(name="rl-stage", log_prints=True, validate_parameters=False)
+def rl_stage(cfg: RunConfig, ctx: RunContext, runtime: Runtime, stage: StageConfig,
+             problems: list[Problem], total_steps: int) -> int:
+    stage_run = start_stage_run(ctx, stage.name, stage.model_dump(mode="json"))
+    runtime.policy_trainer(total_steps, stage.reset_optimizer)
+    if stage.hard_only:
+        spec = rollout_spec(cfg, stage.max_turns, stage.max_response_tokens, cfg.rollout.temperature)
+        trajectories, _ = roll_out(runtime, problems, stage.difficulty_attempts, spec, desc="difficulty filter")
+        problems = keep_unsolved(runtime, problems, trajectories, score(runtime, trajectories, problems),
+                                 stage.difficulty_attempts)
+    for step in range(stage.steps):
+        rl_step(cfg, ctx, runtime, stage, step, problems, stage_run)
+    end_run(ctx, stage_run)
+    return stage.steps

@@ -1,0 +1,196 @@
+"""The one typed config of a pipeline run, loaded from configs/*.yaml.
+
+Every difference between the paper and the public release is a field here (see the
+`roc`, `count_turns`, `tool_name` and evaluation fields), so either can be reproduced
+without touching code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+
+class _Strict(BaseModel):
+    # A misspelt key in a YAML file must fail loudly, not be silently ignored.
+    model_config = ConfigDict(extra="forbid")
+
+
+class TinyModelConfig(_Strict):
+    """Qwen2-style causal LM trained from scratch when no real model path is given."""
+
+    vocab_size: int = 2048
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    max_position_embeddings: int = 2048
+    pretrain_steps: int = 0  # optional LM pre-training on the corpus before SFT
+
+
+class ModelConfig(_Strict):
+    path: str | None = None  # a Hugging Face model directory; None builds the tiny model
+    tiny: TinyModelConfig = TinyModelConfig()
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class DataConfig(_Strict):
+    n_train: int = 512
+    n_heldout: int = 64
+    levels: list[int] = [1, 2, 3]
+    seed: int = 0
+
+
+class OptimConfig(_Strict):
+    lr: float = 1e-6
+    warmup_steps: int = 20
+    schedule: Literal["constant", "cosine"] = "constant"
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    micro_batch_size: int = 8
+
+
+class SftConfig(_Strict):
+    n_examples: int = 2000
+    epochs: int = 3
+    batch_size: int = 32
+    max_len: int = 512
+    optim: OptimConfig = OptimConfig(lr=5e-6, schedule="cosine", warmup_steps=0)
+    warmup_ratio: float = 0.04
+
+
+class EngineConfig(_Strict):
+    """vLLM engine settings; on CPU the KV cache must always be bounded."""
+
+    kv_cache_gib: float = 0.25
+    block_size: int = 32  # the CPU default (128) caches too coarsely for short multi-turn prompts
+    max_model_len: int = 2048
+    enforce_eager: bool = True  # torch.compile costs start-up and buys nothing on CPU
+    tensor_parallel_size: int = 1
+    max_num_seqs: int = 256
+    gpu_memory_utilization: float = 0.85  # used on GPUs only
+
+
+class SandboxConfig(_Strict):
+    urls: list[str] = []  # empty: the pipeline starts a local service and stops it at the end
+    workers: int = 4
+    timeout_s: float = 4.0  # release default
+    memory_mb: int = 256  # release default
+    output_bytes: int = 1000  # release truncates at the service to 1000 characters
+
+
+class RolloutConfig(_Strict):
+    tool_name: str = "execute_python_code_with_standard_io"  # release: python_code_with_standard_io
+    tool_spec: Literal["schema", "compact"] = "schema"  # how the system prompt lists the tool
+    temperature: float = 1.0
+    top_p: float = 1.0
+    tool_response_chars: int = 256  # release keeps 256 characters around a middle cut
+
+
+class RocConfig(_Strict):
+    mode: Literal["paper", "release", "off"] = "paper"
+    count_turns: Literal["all", "after_first_tool"] = "all"  # release: after_first_tool
+    drop_zero_signal: bool = True
+
+
+class LossConfig(_Strict):
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip: float = 3.0
+
+
+class StageConfig(_Strict):
+    name: str
+    steps: int
+    max_response_tokens: int
+    max_turns: int
+    problems_per_step: int
+    hard_only: bool = False  # keep only problems the current policy does not solve k of k
+    difficulty_attempts: int = 8
+    reset_optimizer: bool = False
+
+
+class RLConfig(_Strict):
+    group_size: int = 16  # G kept per problem; 2G are drawn unless roc.mode is off
+    roc: RocConfig = RocConfig()
+    loss: LossConfig = LossConfig()
+    optim: OptimConfig = OptimConfig()
+    stages: list[StageConfig]
+
+    @property
+    def rollouts_per_problem(self) -> int:
+        return self.group_size if self.roc.mode == "off" else 2 * self.group_size
+
+
+class EvalConfig(_Strict):
+    k: int = 16  # avg@k pass@1
+    temperature: float = 0.6  # release evaluated greedily, which makes avg@16 one sample
+    max_turns: int = 30  # release capped at 5
+    max_response_tokens: int = 30000
+    n_problems: int | None = None  # None: the whole held-out split
+
+
+class RunConfig(_Strict):
+    name: str = "tiny"
+    seed: int = 0
+    output_dir: str = "outputs"
+    # Training phases run while the engines and the sandbox sit idle, so they may take more
+    # threads than one per process (measured on 2 cores: 2 threads, 1.7x faster SFT steps).
+    trainer_threads: int = 1
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    sft: SftConfig = SftConfig()
+    engine: EngineConfig = EngineConfig()
+    sandbox: SandboxConfig = SandboxConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    rl: RLConfig
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _lengths_fit(self) -> RunConfig:
+        longest = max([s.max_response_tokens for s in self.rl.stages] + [self.eval.max_response_tokens])
+        if longest >= self.engine.max_model_len:
+            raise ValueError(
+                f"engine.max_model_len ({self.engine.max_model_len}) must exceed the longest "
+                f"response budget ({longest}) plus the prompt"
+            )
+        return self
+
+    def run_dir(self, run_id: str) -> Path:
+        return Path(self.output_dir) / "runs" / run_id
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> RunConfig:
+    """Load and validate a YAML config; `overrides` are dotted keys, e.g. {"rl.roc.mode": "off"}."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    for dotted, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid config {path}:\n{exc}") from exc
+
+
+def default_config_path() -> Path:
+    return Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+
+
+__all__ = ["RunConfig", "StageConfig", "ConfigError", "load_config", "default_config_path"]

@@ -1,0 +1,129 @@
+"""Prefect tasks for the run record: MLflow runs, evaluation summaries, the final report card."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from rich.console import Console
+from rich.table import Table
+
+from tasks.config import RunConfig
+from tasks.rollout.agent import Trajectory
+from tasks.rollout.metrics import rollout_metrics
+from tasks.runtime import RunContext
+from tasks.tracking.mlflow_log import Tracker
+
+SUMMARY_COLUMNS = ["stage", "steps", "pass@1 before", "pass@1 after", "tool-call rate", "tool-error rate", "wall s"]
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+@task(cache_policy=NO_CACHE)
+def start_pipeline_run(cfg: RunConfig, config_path: str, run_id: str | None) -> RunContext:
+    run_id = run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    run_dir = cfg.run_dir(run_id)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    tracker = Tracker(cfg.output_dir)
+    params = {"config_path": config_path, "git_commit": _git_commit(), "run_dir": str(run_dir)}
+    params.update(_flatten(cfg.model_dump(mode="json")))
+    mlflow_run_id = tracker.start_run(run_id, params, tags={"rstar2.run_id": run_id})
+    print(f"run {run_id}: outputs in {run_dir}, MLflow run {mlflow_run_id} ({tracker.uri})")
+    return RunContext(run_id, run_dir, mlflow_run_id, Path(cfg.output_dir))
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = json.dumps(value) if isinstance(value, list) else value
+    return flat
+
+
+@task(cache_policy=NO_CACHE)
+def start_stage_run(ctx: RunContext, stage: str, params: dict) -> str:
+    return ctx.tracker.start_run(stage, params, parent_run_id=ctx.mlflow_run_id,
+                                 tags={"rstar2.run_id": ctx.run_id, "rstar2.stage": stage})
+
+
+@task(cache_policy=NO_CACHE)
+def end_run(ctx: RunContext, mlflow_run_id: str, ok: bool = True) -> None:
+    ctx.tracker.end_run(mlflow_run_id, ok)
+
+
+@task(cache_policy=NO_CACHE)
+def summarize_eval(ctx: RunContext, label: str, trajectories: list[Trajectory], scored: dict, k: int) -> dict:
+    """avg@k pass@1 and tool use on the held-out split, logged on the parent run."""
+    metrics = rollout_metrics(trajectories, scored["rewards"])
+    metrics["pass_at_1"] = metrics["reward_mean"]  # mean over problems and their k samples
+    ctx.tracker.log_metrics(ctx.mlflow_run_id, {f"eval/{label}/{key}": v for key, v in metrics.items()})
+    print(f"[eval {label}] pass@1 (avg@{k}) {metrics['pass_at_1']:.3f}, tool-call rate "
+          f"{metrics['tool_call_rate']:.2f}, tool-error rate {metrics['tool_error_rate']:.2f}")
+    return metrics
+
+
+@task(cache_policy=NO_CACHE)
+def publish_summary(ctx: RunContext, rows: list[dict], wall_s: float) -> str:
+    """The report card: printed, saved under the run, logged to MLflow, a Prefect artifact."""
+    def cell(value) -> str:
+        return f"{value:.3f}" if isinstance(value, float) else ("" if value is None else str(value))
+
+    table = Table(title=f"rstar2-pipeline run {ctx.run_id} ({wall_s:.0f} s)")
+    for column in SUMMARY_COLUMNS:
+        table.add_column(column, justify="left" if column == "stage" else "right")
+    for row in rows:
+        table.add_row(*(cell(row.get(column)) for column in SUMMARY_COLUMNS))
+    Console(width=120).print(table)
+    markdown = "| " + " | ".join(SUMMARY_COLUMNS) + " |\n|" + "---|" * len(SUMMARY_COLUMNS) + "\n"
+    markdown += "".join("| " + " | ".join(cell(r.get(c)) for c in SUMMARY_COLUMNS) + " |\n" for r in rows)
+    markdown = f"# Run {ctx.run_id}\n\nwall time {wall_s:.0f} s, outputs in `{ctx.run_dir}`\n\n{markdown}"
+    path = ctx.run_dir / "summary.md"
+    path.write_text(markdown)
+    (ctx.run_dir / "summary.json").write_text(json.dumps({"wall_s": wall_s, "stages": rows}, indent=2))
+    tracker = ctx.tracker
+    tracker.log_artifact(ctx.mlflow_run_id, path)
+    tracker.log_metrics(ctx.mlflow_run_id, {"wall_s": wall_s})
+    create_markdown_artifact(key="run-summary", markdown=markdown, description=f"run {ctx.run_id}")
+    return markdown
+
+
+class Stopwatch:
+    """Wall time per stage, for the summary table."""
+
+    def __init__(self):
+        self.started = self.last = time.perf_counter()
+
+    def lap(self) -> float:
+        """Seconds since the previous lap (or the start)."""
+        now = time.perf_counter()
+        elapsed, self.last = now - self.last, now
+        return elapsed
+
+    def total(self) -> float:
+        return time.perf_counter() - self.started
+
+
+def stage_row(stage: str, steps: int | None, before: dict | None, after: dict | None, wall_s: float) -> dict:
+    return {
+        "stage": stage, "steps": steps,
+        "pass@1 before": before["pass_at_1"] if before else None,
+        "pass@1 after": after["pass_at_1"] if after else None,
+        "tool-call rate": after["tool_call_rate"] if after else None,
+        "tool-error rate": after["tool_error_rate"] if after else None,
+        "wall s": round(wall_s, 1),
+    }

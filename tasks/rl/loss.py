@@ -1,0 +1,106 @@
+"""Token-level PPO-clip loss for GRPO-RoC, and the masked cross-entropy used by SFT.
+
+The RL objective (rStar2-Agent, arXiv 2508.20722) departs from textbook GRPO in four ways:
+
+1. no KL term and no entropy bonus;
+2. clip-higher: the ratio is clipped to [1 - eps_low, 1 + eps_high] with eps_high > eps_low,
+   so low-probability tokens with positive advantage can grow faster (keeps exploration up);
+3. dual-clip for negative advantages: the loss of a token is capped at -dual_clip * A, so a
+   token whose ratio exploded cannot dominate the batch;
+4. token-mean: the sum over every kept response token divided by the number of such tokens in
+   the whole batch, not a per-sequence mean (long rollouts are not down-weighted).
+
+Tool-response tokens are removed by the mask, the same way as padding.
+"""
+
+import torch
+from torch import Tensor
+
+
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """log p(target) per position: log_softmax(logits)[b, t, targets[b, t]].
+
+    logits (B, T, V), targets (B, T) -> (B, T) in float32 (bf16 log-probs are too coarse for
+    ratios close to 1). Negative targets (an ignore index) are read as token 0: the value there
+    is meaningless and the caller's mask must remove it.
+    """
+    logp_all = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
+    index = targets.clamp(min=0).long().unsqueeze(-1)  # (B, T, 1)
+    return logp_all.gather(-1, index).squeeze(-1)  # (B, T)
+
+
+def _normaliser(mask: Tensor, num_tokens: int | None) -> float:
+    """Token-mean denominator: the batch-wide token count, at least 1 (an all-masked batch gives 0)."""
+    count = int(mask.sum().item()) if num_tokens is None else int(num_tokens)
+    return float(max(count, 1))
+
+
+def ppo_clip_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    dual_clip: float = 3.0,
+    num_tokens: int | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Token-level PPO-clip loss with clip-higher and dual-clip, token-mean normalised.
+
+    With ratio r = exp(logp - old_logp) and A the advantage of the token's rollout:
+
+        l     = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
+        l     = min(l, -dual_clip * A)                     only when A < 0   (dual-clip)
+        loss  = sum_{masked tokens} l / num_tokens
+
+    For A < 0 the dual-clip bound -dual_clip * A = dual_clip * |A| > 0 binds once r > dual_clip,
+    and the token then has zero gradient.
+
+    num_tokens is the number of kept response tokens in the WHOLE batch (all micro-batches), so
+    summing the losses of micro-batches (or accumulating their gradients) gives the full-batch
+    loss; it defaults to mask.sum(), i.e. this call is the whole batch.
+
+    Shapes: logp, old_logp, mask (B, T); advantages (B,) broadcast over tokens, or (B, T).
+    Metrics (fractions of this call's masked tokens, where the clip is binding and so the
+    gradient is zero): clip_frac_low (A < 0, r < 1 - eps_low), clip_frac_high (A > 0,
+    r > 1 + eps_high), dual_clip_frac (A < 0, r > dual_clip).
+    """
+    mask = mask.bool()
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)  # (B, 1), broadcasts over T
+    advantages = advantages.to(logp.dtype)
+    old_logp = old_logp.to(logp.dtype).detach()  # the behaviour policy is a constant
+
+    ratio = torch.exp(logp - old_logp)  # (B, T)
+    clipped_ratio = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    per_token = torch.maximum(-ratio * advantages, -clipped_ratio * advantages)  # -min(rA, clip(r)A)
+    negative = advantages < 0
+    per_token = torch.where(negative, torch.minimum(per_token, -dual_clip * advantages), per_token)
+    # where() rather than a multiply: a padded position can hold inf/nan and 0 * inf = nan
+    per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
+    loss = per_token.sum() / _normaliser(mask, num_tokens)
+
+    with torch.no_grad():
+        count = max(int(mask.sum().item()), 1)
+        positive = advantages > 0
+        low = negative & (ratio < 1.0 - eps_low) & mask
+        high = positive & (ratio > 1.0 + eps_high) & mask
+        dual = negative & (ratio > dual_clip) & mask
+        metrics = {
+            "clip_frac_low": low.sum().item() / count,
+            "clip_frac_high": high.sum().item() / count,
+            "dual_clip_frac": dual.sum().item() / count,
+        }
+    return loss, metrics
+
+
+def sft_loss(logits: Tensor, targets: Tensor, mask: Tensor, num_tokens: int | None = None) -> Tensor:
+    """Masked token-mean cross-entropy: loss = -sum_{masked} log p(target) / num_tokens.
+
+    Same convention as ppo_clip_loss: num_tokens counts the trained tokens of the whole batch so
+    micro-batch losses add up; default mask.sum(). logits (B, T, V), targets and mask (B, T).
+    """
+    mask = mask.bool()
+    nll = -token_logprobs(logits, targets)  # (B, T)
+    nll = torch.where(mask, nll, torch.zeros_like(nll))
+    return nll.sum() / _normaliser(mask, num_tokens)

@@ -1,0 +1,87 @@
+"""Prefect tasks of an RL step after scoring: select, update, sync, record."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.config import RunConfig, StageConfig
+from tasks.data.problems import Problem
+from tasks.rl.batch import TrainingBatch, select_training_batch, trajectory_score
+from tasks.rollout.agent import RolloutSpec, RolloutTimes, Trajectory
+from tasks.rollout.metrics import rollout_metrics
+from tasks.runtime import RunContext, Runtime
+from tasks.store.tables import STEPS, step_part, write_table
+
+
+def rollout_spec(cfg: RunConfig, max_turns: int, max_response_tokens: int, temperature: float) -> RolloutSpec:
+    return RolloutSpec(max_turns, max_response_tokens, temperature, cfg.rollout.top_p,
+                       cfg.rollout.tool_name, cfg.rollout.tool_response_chars, cfg.rollout.tool_spec)
+
+
+@task(cache_policy=NO_CACHE)
+def sample_problems(problems: list[Problem], n: int, seed: int, stage: str, step: int) -> list[Problem]:
+    """The step's problems: a draw that depends only on (seed, stage, step), so a rerun repeats it."""
+    rng = random.Random(f"{seed}/{stage}/{step}")
+    return rng.sample(problems, min(n, len(problems)))
+
+
+@task(cache_policy=NO_CACHE)
+def select_batch(cfg: RunConfig, trajectories: list[Trajectory], scored: dict, stage: str, step: int) -> TrainingBatch:
+    scores = [trajectory_score(t, r, b) for t, r, b in zip(trajectories, scored["rewards"], scored["answer_blocks"])]
+    rng = random.Random(f"{cfg.seed}/{stage}/{step}/roc")
+    return select_training_batch(trajectories, scores, cfg.rl.group_size, cfg.rl.roc, rng)
+
+
+@task(cache_policy=NO_CACHE)
+def update_policy(runtime: Runtime, batch: TrainingBatch, cfg: RunConfig) -> dict:
+    """One optimizer step on the kept trajectories; a batch with no signal skips the update."""
+    if not batch.samples:
+        return {"update_skipped": 1.0}
+    started = time.perf_counter()
+    metrics = runtime.trainer.rl_step(batch.samples, cfg.rl.loss)
+    metrics["time_update_s"] = time.perf_counter() - started
+    return metrics
+
+
+@task(cache_policy=NO_CACHE)
+def sync_weights(runtime: Runtime) -> dict:
+    """Push the trainer's weights into the running engine (no restart)."""
+    started = time.perf_counter()
+    runtime.engine.load_weights(runtime.trainer.named_weights())
+    return {"time_sync_s": time.perf_counter() - started}
+
+
+@task(cache_policy=NO_CACHE)
+def keep_unsolved(runtime: Runtime, problems: list[Problem], trajectories: list[Trajectory], scored: dict,
+                  attempts: int) -> list[Problem]:
+    """Difficulty filter: drop the problems the current policy solved in all its attempts."""
+    solved: dict[str, float] = {}
+    for traj, reward in zip(trajectories, scored["rewards"]):
+        solved[traj.problem_id] = solved.get(traj.problem_id, 0.0) + reward
+    hard = [p for p in problems if solved.get(p.problem_id, 0.0) < attempts]
+    print(f"difficulty filter: kept {len(hard)} of {len(problems)} problems (solved < {attempts}/{attempts})")
+    return hard
+
+
+@task(cache_policy=NO_CACHE)
+def record_step(ctx: RunContext, stage_run_id: str, stage: StageConfig, step: int, trajectories: list[Trajectory],
+                scored: dict, batch: TrainingBatch, times: RolloutTimes, update: dict) -> dict:
+    """All of a step's metrics, to MLflow and to the steps table."""
+    metrics = rollout_metrics(trajectories, scored["rewards"])
+    metrics.update(batch.roc.metrics(prefix="roc/"))
+    metrics.update({"kept": sum(batch.kept), "dropped": len(batch.kept) - sum(batch.kept),
+                    "time_rollout_s": times.total_s, "time_tool_wait_s": times.tool_wait_s,
+                    "time_tool_exec_s": times.tool_exec_s})
+    metrics.update(update)
+    ctx.tracker.log_metrics(stage_run_id, metrics, step)
+    rows = [{"run_id": ctx.run_id, "stage": stage.name, "step": step, "metric": k, "value": float(v)}
+            for k, v in metrics.items()]
+    write_table(rows, STEPS, step_part(ctx.run_dir, "steps", stage.name, step))
+    print(f"[{stage.name} step {step}] reward {metrics['reward_mean']:.3f} kept {metrics['kept']} "
+          f"tool calls {metrics['tool_calls']} errors {metrics['tool_errors']} "
+          f"rollout {times.total_s:.1f}s update {update.get('time_update_s', 0.0):.1f}s")
+    return metrics

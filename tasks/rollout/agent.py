@@ -1,0 +1,208 @@
+"""The multi-turn agent loop: generate until a tool call, run it, feed the result back.
+
+Every trajectory advances independently: when a turn finishes with a tool call, the call goes
+to the sandbox at once and the engine keeps serving the other trajectories; when the result
+arrives, the continuation is submitted as a new request on the exact token ids so far (the
+earlier turns are served from the prefix cache).
+
+Invalid model output never raises: a malformed tool call is answered with the parse error as
+the tool response (recipe.md section 2), a missing answer or a runaway length ends the
+trajectory with a recorded stop reason, and scoring gives it reward 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from tasks.rollout.engine import Engine
+from tasks.rollout.format import (
+    TOOL_CALL_CLOSE,
+    ToolCallError,
+    parse_tool_call,
+    prompt_text,
+    tool_response_text,
+    truncate_middle,
+)
+from tasks.sandbox.client import SandboxClient
+from tasks.sandbox.status import ToolResult, ToolStatus
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    max_turns: int
+    max_response_tokens: int
+    temperature: float
+    top_p: float
+    tool_name: str
+    tool_response_chars: int
+    tool_spec: str = "schema"
+
+
+@dataclass
+class ToolCallRecord:
+    turn: int
+    status: ToolStatus
+    latency_s: float
+    code: str
+
+
+@dataclass
+class Trajectory:
+    problem_id: str
+    sample: int
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)  # 1 on generated tokens, 0 on tool tokens
+    response: str = ""  # decoded response, tool turns included
+    turns: int = 0  # assistant turns
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    stop_reason: str = ""  # answer | no_answer | max_turns | budget
+
+    def extend(self, ids: list[int], text: str, trainable: bool) -> None:
+        self.response_ids += ids
+        self.loss_mask += [int(trainable)] * len(ids)
+        self.response += text
+
+
+def render_tool_result(result: ToolResult, max_chars: int) -> str:
+    """What the model reads back: output, or the traceback, or the limit it hit."""
+    if result.status is ToolStatus.OK:
+        text = result.stdout
+    elif result.status is ToolStatus.TIMEOUT:
+        text = result.stdout + "\nTimeoutError: the program ran out of time"
+    elif result.status is ToolStatus.INTERNAL:
+        text = "The tool is unavailable: " + result.stderr
+    else:
+        text = result.stdout + result.stderr
+    return truncate_middle(text.strip(), max_chars)
+
+
+class ToolRunner:
+    """Runs the async sandbox client on a loop of its own, so the sync engine loop can poll."""
+
+    def __init__(self, urls: list[str]):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tool-runner", daemon=True)
+        self._thread.start()
+        self.client = SandboxClient(urls)
+
+    def submit(self, code: str, stdin: str) -> Future:
+        return asyncio.run_coroutine_threadsafe(self.client.execute(code, stdin), self._loop)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.client.close(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> ToolRunner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class RolloutTimes:
+    total_s: float = 0.0
+    tool_wait_s: float = 0.0  # wall time the engine sat idle waiting for tool results
+    tool_exec_s: float = 0.0  # summed sandbox latency of all calls
+
+
+def run_rollouts(
+    engine: Engine,
+    tools: ToolRunner,
+    tokenizer,
+    problems: list[tuple[str, str]],
+    samples_per_problem: int,
+    spec: RolloutSpec,
+    desc: str = "rollouts",
+) -> tuple[list[Trajectory], RolloutTimes]:
+    """Roll out `samples_per_problem` trajectories for each (problem_id, question)."""
+    started = time.perf_counter()
+    times = RolloutTimes()
+    tool_call_close = tokenizer.convert_tokens_to_ids(TOOL_CALL_CLOSE)
+    max_model_len = engine.cfg.max_model_len
+    trajectories: list[Trajectory] = []
+    for problem_id, question in problems:
+        prompt_ids = tokenizer(prompt_text(question, spec.tool_name, spec.tool_spec))["input_ids"]
+        trajectories += [Trajectory(problem_id, s, prompt_ids) for s in range(samples_per_problem)]
+
+    def submit_turn(index: int) -> bool:
+        """Ask the engine for the next assistant turn; False when no budget is left."""
+        traj = trajectories[index]
+        budget = min(spec.max_response_tokens - len(traj.response_ids),
+                     max_model_len - len(traj.prompt_ids) - len(traj.response_ids))
+        if budget <= 0:
+            # A tool response may overshoot the shared budget: the trainer never sees past it.
+            limit = min(spec.max_response_tokens, max_model_len - len(traj.prompt_ids))
+            del traj.response_ids[limit:], traj.loss_mask[limit:]
+            return False
+        engine.add_request(
+            f"{index}:{traj.turns}", traj.prompt_ids + traj.response_ids, budget,
+            spec.temperature, spec.top_p, [tool_call_close],
+        )
+        return True
+
+    pending_tools: dict[int, tuple[Future, float]] = {}
+    progress = tqdm(total=len(trajectories), desc=desc, leave=False, disable=None)
+
+    def finish(traj: Trajectory, reason: str) -> None:
+        traj.stop_reason = reason
+        progress.update(1)
+
+    for index in range(len(trajectories)):
+        if not submit_turn(index):
+            finish(trajectories[index], "budget")
+
+    while engine.has_unfinished() or pending_tools:
+        finished_turns = engine.step() if engine.has_unfinished() else []
+        for turn in finished_turns:
+            index = int(turn.request_id.split(":")[0])
+            traj = trajectories[index]
+            traj.turns += 1
+            text = tokenizer.decode(turn.token_ids, skip_special_tokens=False)
+            traj.extend(turn.token_ids, text, trainable=True)
+            called_tool = bool(turn.token_ids) and turn.token_ids[-1] == tool_call_close
+            if not called_tool:
+                finish(traj, "budget" if turn.finish_reason == "length" else
+                       ("answer" if "<answer>" in text else "no_answer"))
+            elif traj.turns >= spec.max_turns:
+                finish(traj, "max_turns")
+            else:
+                try:
+                    call = parse_tool_call(text, spec.tool_name)
+                    future = tools.submit(call.code, call.stdin)
+                except ToolCallError as exc:
+                    future = Future()
+                    future.set_result(ToolResult(status=ToolStatus.PARSE_ERROR, stderr=str(exc)))
+                    call = None
+                pending_tools[index] = (future, time.perf_counter())
+                traj.tool_calls.append(ToolCallRecord(traj.turns, ToolStatus.INTERNAL, 0.0, call.code if call else ""))
+
+        if pending_tools and not engine.has_unfinished():
+            # Nothing to generate until a tool answers: wait for the first one, not for all.
+            wait_start = time.perf_counter()
+            while not any(f.done() for f, _ in pending_tools.values()):
+                time.sleep(0.002)
+            times.tool_wait_s += time.perf_counter() - wait_start
+
+        for index in [i for i, (f, _) in pending_tools.items() if f.done()]:
+            future, sent_at = pending_tools.pop(index)
+            result: ToolResult = future.result()
+            traj = trajectories[index]
+            record = traj.tool_calls[-1]
+            record.status, record.latency_s = result.status, time.perf_counter() - sent_at
+            times.tool_exec_s += result.wall_s
+            text = tool_response_text(render_tool_result(result, spec.tool_response_chars))
+            traj.extend(tokenizer(text)["input_ids"], text, trainable=False)
+            if not submit_turn(index):
+                finish(traj, "budget")
+    progress.close()
+    times.total_s = time.perf_counter() - started
+    return trajectories, times

@@ -1,0 +1,25 @@
+"""Summary numbers over a batch of scored trajectories (pure)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from tasks.rollout.agent import Trajectory
+
+
+def rollout_metrics(trajectories: list[Trajectory], rewards: list[float]) -> dict[str, float]:
+    n = max(len(trajectories), 1)
+    calls = [c for t in trajectories for c in t.tool_calls]
+    stops = Counter(t.stop_reason for t in trajectories)
+    metrics = {
+        "reward_mean": sum(rewards) / n,
+        "trajectories": len(trajectories),
+        "tool_calls": len(calls),
+        "tool_errors": sum(c.status.is_failure for c in calls),
+        "tool_call_rate": sum(bool(t.tool_calls) for t in trajectories) / n,
+        "tool_error_rate": sum(c.status.is_failure for c in calls) / max(len(calls), 1),
+        "response_length_mean": sum(len(t.response_ids) for t in trajectories) / n,
+        "turns_mean": sum(t.turns for t in trajectories) / n,
+    }
+    metrics.update({f"stop_{reason}": count / n for reason, count in stops.items()})
+    return metrics

@@ -1,0 +1,142 @@
+"""Async client for one or more sandbox replicas.
+
+Each request goes to the replica with the fewest calls in flight from this client (least-requests
+balancing; the release's round-robin piles work onto a replica that is stuck on slow programs).
+A request is retried only when it got no answer because it never reached a server (connection
+refused or reset) or the server pushed back with 503 busy; a call that got an answer, even an
+HTTP error, is never run again, and a request that timed out is not retried because the server
+may still be running it. When the retries run out the call comes back as
+`ToolStatus.INTERNAL` instead of raising, so one outage cannot crash a whole rollout batch.
+
+The aiohttp session is bound to the event loop it was created in: use one client per loop.
+"""
+
+import asyncio
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+
+from tasks.sandbox.status import ToolResult, ToolStatus
+
+
+class _Unavailable(Exception):
+    """The call got no usable answer; the message says why."""
+
+
+class SandboxClient:
+    def __init__(
+        self,
+        urls: list[str],
+        retries: int = 3,
+        timeout_s: float = 120.0,
+        batch_size: int = 64,
+        backoff_s: float = 0.1,
+    ) -> None:
+        """`timeout_s` bounds one HTTP request, queueing on the server included; `batch_size` is
+        the most calls sent in one /execute_batch request (the paper's workers batch up to 64)."""
+        if not urls:
+            raise ValueError("SandboxClient needs at least one sandbox URL")
+        self.urls = [url.rstrip("/") for url in urls]
+        self.retries = retries
+        self.timeout_s = timeout_s
+        self.batch_size = batch_size
+        self.backoff_s = backoff_s
+        self._in_flight = [0] * len(self.urls)  # calls, not requests: a batch of 64 weighs 64
+        self._turn = 0  # rotates ties so that equal replicas share the load
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> "SandboxClient":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                # No client-side connection cap: the server's bounded queue is the backpressure,
+                # and a pool limit here would be a hidden second queue eating into timeout_s.
+                connector=aiohttp.TCPConnector(limit=0),
+            )
+        return self._session
+
+    async def execute(self, code: str, input: str = "") -> ToolResult:
+        try:
+            answer = await self._post("/execute", {"code": code, "input": input}, n_calls=1)
+            return ToolResult.from_dict(answer)
+        except _Unavailable as exc:
+            return _unavailable(str(exc))
+        except (KeyError, TypeError, ValueError) as exc:
+            return _unavailable(f"malformed answer from the sandbox: {exc!r}")
+
+    async def execute_batch(self, calls: Sequence[tuple[str, str]]) -> list[ToolResult]:
+        """Results in the order of `calls`; chunks of `batch_size` go out concurrently."""
+        chunks = [calls[i : i + self.batch_size] for i in range(0, len(calls), self.batch_size)]
+        answers = await asyncio.gather(*(self._execute_chunk(chunk) for chunk in chunks))
+        return [result for chunk_results in answers for result in chunk_results]
+
+    async def _execute_chunk(self, calls: Sequence[tuple[str, str]]) -> list[ToolResult]:
+        payload = {"requests": [{"code": code, "input": stdin} for code, stdin in calls]}
+        try:
+            answer = await self._post("/execute_batch", payload, n_calls=len(calls))
+            results = [ToolResult.from_dict(d) for d in answer["results"]]
+            if len(results) != len(calls):
+                raise ValueError(f"{len(results)} results for {len(calls)} calls")
+            return results
+        except _Unavailable as exc:
+            return [_unavailable(str(exc)) for _ in calls]
+        except (KeyError, TypeError, ValueError) as exc:
+            return [_unavailable(f"malformed answer from the sandbox: {exc!r}") for _ in calls]
+
+    def _pick(self, failed: set[int]) -> int:
+        """The least-loaded replica, preferring ones that have not failed this call yet."""
+        n = len(self.urls)
+        self._turn = (self._turn + 1) % n
+        return min(
+            range(n), key=lambda i: (i in failed, self._in_flight[i], (i - self._turn) % n)
+        )
+
+    async def _post(self, path: str, payload: dict[str, Any], n_calls: int) -> Any:
+        session = self._get_session()
+        failed: set[int] = set()
+        reason = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                # Exponential backoff with jitter, so that callers turned away together do not
+                # come back together.
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
+            replica = self._pick(failed)
+            url = self.urls[replica] + path
+            self._in_flight[replica] += n_calls
+            try:
+                async with session.post(url, json=payload) as response:
+                    if response.status == 503:
+                        reason = f"{url} busy (HTTP 503)"
+                        failed.add(replica)
+                        continue
+                    if response.status != 200:
+                        detail = (await response.text())[:500]
+                        raise _Unavailable(f"{url} answered HTTP {response.status}: {detail}")
+                    return await response.json()
+            except TimeoutError:
+                raise _Unavailable(f"{url} gave no answer within {self.timeout_s} s") from None
+            except aiohttp.ClientConnectionError as exc:
+                reason = f"{url}: {type(exc).__name__}: {exc}"
+                failed.add(replica)
+            except aiohttp.ClientError as exc:
+                raise _Unavailable(f"{url}: {type(exc).__name__}: {exc}") from None
+            finally:
+                self._in_flight[replica] -= n_calls
+        raise _Unavailable(f"{reason} (after {self.retries + 1} attempts)")
+
+
+def _unavailable(reason: str) -> ToolResult:
+    return ToolResult(status=ToolStatus.INTERNAL, stderr=f"sandbox unavailable: {reason}")

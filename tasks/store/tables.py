@@ -1,0 +1,107 @@
+"""Table schemas, defined once, and atomic Parquet writes.
+
+Rows land under the run folder in hive-style partitions keyed by (stage, step), one file per
+step, so re-running a step replaces its file instead of appending duplicates, and DuckDB reads
+the whole table with `read_parquet('<run>/rollouts/**/*.parquet', hive_partitioning=true)`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+PROBLEMS = pa.schema(
+    [
+        ("problem_id", pa.string()),
+        ("kind", pa.string()),
+        ("level", pa.int32()),
+        ("question", pa.string()),
+        ("answer", pa.string()),
+        ("solution_code", pa.string()),
+    ]
+)
+
+# One row per trajectory; `kept` and `advantage` are set by GRPO-RoC (eval rows: kept false).
+ROLLOUTS = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("stage", pa.string()),
+        ("step", pa.int32()),
+        ("problem_id", pa.string()),
+        ("sample", pa.int32()),
+        ("question", pa.string()),
+        ("label", pa.string()),
+        ("response", pa.string()),
+        ("predicted", pa.string()),
+        ("reward", pa.float32()),
+        ("kept", pa.bool_()),
+        ("advantage", pa.float32()),
+        ("prompt_tokens", pa.int32()),
+        ("response_tokens", pa.int32()),
+        ("turns", pa.int32()),
+        ("tool_calls", pa.int32()),
+        ("tool_failures", pa.int32()),
+        ("tool_statuses", pa.list_(pa.string())),
+        ("stop_reason", pa.string()),
+    ]
+)
+
+# One row per (stage, step): the metrics also sent to MLflow, queryable beside the rollouts.
+STEPS = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("stage", pa.string()),
+        ("step", pa.int32()),
+        ("metric", pa.string()),
+        ("value", pa.float64()),
+    ]
+)
+
+
+def write_table(rows: list[dict], schema: pa.Schema, path: Path) -> Path:
+    """Write rows atomically: a reader sees the old file or the new one, never half of one."""
+    table = pa.Table.from_pylist(rows, schema=schema)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_table(path: Path) -> list[dict]:
+    return pq.read_table(path).to_pylist()
+
+
+def step_part(run_dir: Path, table: str, stage: str, step: int) -> Path:
+    return run_dir / table / f"stage={stage}" / f"step={step:05d}.parquet"
+
+
+def rollout_rows(run_id: str, stage: str, step: int, trajectories, questions: dict[str, str],
+                 labels: dict[str, str], predicted: list[str | None], rewards: list[float],
+                 kept: list[bool] | None = None, advantages: list[float] | None = None) -> list[dict]:
+    """ROLLOUTS rows for trajectories (tasks.rollout.agent.Trajectory), in order."""
+    rows = []
+    for i, traj in enumerate(trajectories):
+        rows.append({
+            "run_id": run_id, "stage": stage, "step": step,
+            "problem_id": traj.problem_id, "sample": traj.sample,
+            "question": questions[traj.problem_id], "label": labels[traj.problem_id],
+            "response": traj.response, "predicted": predicted[i], "reward": rewards[i],
+            "kept": bool(kept[i]) if kept else False,
+            "advantage": advantages[i] if advantages else 0.0,
+            "prompt_tokens": len(traj.prompt_ids), "response_tokens": len(traj.response_ids),
+            "turns": traj.turns, "tool_calls": len(traj.tool_calls),
+            "tool_failures": sum(c.status.is_failure for c in traj.tool_calls),
+            "tool_statuses": [c.status.value for c in traj.tool_calls],
+            "stop_reason": traj.stop_reason,
+        })
+    return rows

@@ -1,0 +1,59 @@
+"""The one place that talks to MLflow.
+
+Uses MlflowClient with explicit run ids rather than the fluent API: the fluent API keeps the
+active run in thread-local state, and Prefect runs tasks on worker threads.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from mlflow.entities import Metric, Param, RunStatus, RunTag
+from mlflow.tracking import MlflowClient
+
+EXPERIMENT = "rstar2-pipeline"
+
+
+def tracking_uri(output_dir: str | Path) -> str:
+    return f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
+
+
+class Tracker:
+    """A pipeline run in MLflow: one parent run, one nested run per stage."""
+
+    def __init__(self, output_dir: str | Path, experiment: str = EXPERIMENT):
+        self.uri = tracking_uri(output_dir)
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        self.client = MlflowClient(tracking_uri=self.uri)
+        found = self.client.get_experiment_by_name(experiment)
+        self.experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+
+    def start_run(self, name: str, params: dict, parent_run_id: str | None = None, tags: dict | None = None) -> str:
+        all_tags = dict(tags or {})
+        if parent_run_id:
+            all_tags["mlflow.parentRunId"] = parent_run_id
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+        run_id = run.info.run_id
+        if params:
+            # MLflow caps a param value at 6000 characters.
+            batch = [Param(k, str(v)[:6000]) for k, v in params.items()]
+            for start in range(0, len(batch), 100):
+                self.client.log_batch(run_id, params=batch[start : start + 100])
+        return run_id
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
+        if batch:
+            self.client.log_batch(run_id, metrics=batch)
+
+    def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
+        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_artifact(self, run_id: str, path: str | Path) -> None:
+        self.client.log_artifact(run_id, str(path))
+
+    def end_run(self, run_id: str, ok: bool = True) -> None:
+        status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
+        self.client.set_terminated(run_id, status=status)

@@ -1,0 +1,216 @@
+"""The policy trainer: one DeepSpeed engine, used by SFT and RL alike.
+
+One call of `sft_step` or `rl_step` is one optimizer step, however many micro-batches the
+samples fill: the gradient-accumulation count is set per step, so an RL step stays one update
+(fully on-policy, as in the paper). Runs on CPU with DS_ACCELERATOR=cpu (gloo) and on CUDA
+with no code change.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+from contextlib import contextmanager
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from tasks.config import LossConfig, OptimConfig
+from tasks.rl.batch import Sample
+from tasks.rl.loss import ppo_clip_loss, sft_loss, token_logprobs
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """A single-process group unless a launcher (torchrun, deepspeed) already set one up."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed()
+
+
+def deepspeed_config(optim: OptimConfig, bf16: bool) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": optim.micro_batch_size,
+        "gradient_accumulation_steps": 1,  # reset per step, see Trainer._accumulate
+        "optimizer": {
+            "type": "AdamW",
+            # torch's AdamW: no JIT-compiled optimizer op needed on CPU.
+            "params": {"lr": optim.lr, "betas": list(optim.betas), "weight_decay": optim.weight_decay,
+                       "torch_adam": True},
+        },
+        "gradient_clipping": optim.grad_clip,
+        "zero_optimization": {"stage": optim.zero_stage},
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 2**31 - 1,
+    }
+
+
+def lr_multiplier(step: int, optim: OptimConfig, total_steps: int) -> float:
+    """Linear warm-up over `warmup_steps` (the first step already learns), then constant or cosine.
+
+    Our own schedule rather than DeepSpeed's WarmupLR, whose first two steps run at lr 0.
+    """
+    if step < optim.warmup_steps:
+        return (step + 1) / (optim.warmup_steps + 1)
+    if optim.schedule == "constant":
+        return 1.0
+    progress = (step - optim.warmup_steps) / max(total_steps - optim.warmup_steps, 1)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))  # cosine to 10%
+
+
+class Trainer:
+    def __init__(self, model_dir: Path, optim: OptimConfig, total_steps: int, dtype: str = "float32", seed: int = 0,
+                 threads: int = 1):
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        init_distributed()
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.optim = optim
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            model_parameters=model.parameters(),
+            config=deepspeed_config(optim, bf16=dtype == "bfloat16"),
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
+                opt, lambda step: lr_multiplier(step, optim, total_steps)),
+        )
+        self.device = self.engine.device
+        self.threads = threads
+
+    @contextmanager
+    def _threads(self):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(previous)
+        self.pad_id = model.config.pad_token_id or 0
+
+    # -- batching ---------------------------------------------------------------------------
+
+    def _micro_batches(self, samples: list[Sample]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(input_ids, attention_mask, target_mask, advantages), right-padded; targets shift by one."""
+        size = self.optim.micro_batch_size
+        for start in range(0, len(samples), size):
+            chunk = samples[start : start + size]
+            width = max(len(s.token_ids) for s in chunk)
+            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+            attention = torch.zeros((len(chunk), width), dtype=torch.long)
+            target_mask = torch.zeros((len(chunk), width - 1), dtype=torch.float32)
+            for row, sample in enumerate(chunk):
+                n = len(sample.token_ids)
+                ids[row, :n] = torch.tensor(sample.token_ids)
+                attention[row, :n] = 1
+                target_mask[row, : n - 1] = torch.tensor(sample.loss_mask[1:n], dtype=torch.float32)
+            advantages = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
+            yield (ids.to(self.device), attention.to(self.device), target_mask.to(self.device), advantages.to(self.device))
+
+    def _logits(self, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        return self.engine(input_ids=ids, attention_mask=attention).logits[:, :-1].float()  # (B, T-1, V)
+
+    def _accumulate(self, n_micro: int) -> None:
+        # One optimizer step per call: the step boundary falls after the last micro-batch.
+        self.engine.set_train_batch_size(n_micro * self.optim.micro_batch_size * self.engine.dp_world_size)
+
+    def _finish_step(self, metrics: dict) -> dict:
+        grad_norm = self.engine.get_global_grad_norm()
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["lr"] = self.engine.get_lr()[0]
+        return metrics
+
+    # -- updates ------------------------------------------------------------------------------
+
+    def sft_step(self, samples: list[Sample]) -> dict:
+        with self._threads():
+            return self._sft_step(samples)
+
+    def rl_step(self, samples: list[Sample], loss_cfg: LossConfig) -> dict:
+        """One PPO-clip update; old log-probs are recomputed here, before any parameter moves."""
+        with self._threads():
+            return self._rl_step(samples, loss_cfg)
+
+    def _sft_step(self, samples: list[Sample]) -> dict:
+        batches = list(self._micro_batches(samples))
+        num_tokens = int(sum(b[2].sum().item() for b in batches))
+        self._accumulate(len(batches))
+        self.engine.train()
+        total = 0.0
+        for ids, attention, target_mask, _ in batches:
+            loss = sft_loss(self._logits(ids, attention), ids[:, 1:], target_mask, num_tokens=num_tokens)
+            self.engine.backward(loss, scale_wrt_gas=False)  # already normalised by batch tokens
+            self.engine.step()
+            total += loss.item()
+        return self._finish_step({"loss": total, "tokens": num_tokens})
+
+    def _rl_step(self, samples: list[Sample], loss_cfg: LossConfig) -> dict:
+        batches = list(self._micro_batches(samples))
+        num_tokens = int(sum(b[2].sum().item() for b in batches))
+        self._accumulate(len(batches))
+        old_logps, entropy_sum = [], 0.0
+        self.engine.eval()
+        with torch.no_grad():
+            for ids, attention, target_mask, _ in batches:
+                logits = self._logits(ids, attention)
+                old_logps.append(token_logprobs(logits, ids[:, 1:]))
+                log_probs = torch.log_softmax(logits, dim=-1)
+                entropy = -(log_probs.exp() * log_probs).sum(-1)
+                entropy_sum += (entropy * target_mask).sum().item()
+        self.engine.train()
+        metrics = {"loss": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "dual_clip_frac": 0.0}
+        for (ids, attention, target_mask, advantages), old_logp in zip(batches, old_logps):
+            logp = token_logprobs(self._logits(ids, attention), ids[:, 1:])
+            loss, clip = ppo_clip_loss(logp, old_logp, advantages, target_mask, loss_cfg.eps_low,
+                                       loss_cfg.eps_high, loss_cfg.dual_clip, num_tokens=num_tokens)
+            self.engine.backward(loss, scale_wrt_gas=False)
+            self.engine.step()
+            metrics["loss"] += loss.item()
+            share = target_mask.sum().item() / max(num_tokens, 1)
+            for key, value in clip.items():
+                metrics[key] += value * share
+        metrics["entropy"] = entropy_sum / max(num_tokens, 1)
+        metrics["tokens"] = num_tokens
+        return self._finish_step(metrics)
+
+    # -- weights and checkpoints ----------------------------------------------------------------
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full weights under their Hugging Face names (ZeRO 0-2 keep full weights on every rank)."""
+        for name, tensor in self.engine.module.state_dict().items():
+            yield name, tensor.detach()
+
+    @torch.no_grad()
+    def token_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """log p of each token given its prefix (first token excluded), for probes and tests."""
+        self.engine.eval()
+        out = []
+        for ids, attention, _, _ in self._micro_batches(samples):
+            logp = token_logprobs(self._logits(ids, attention), ids[:, 1:])
+            lengths = attention.sum(1) - 1
+            out += [row[: int(n)].tolist() for row, n in zip(logp, lengths)]
+        return out
+
+    def save_checkpoint(self, directory: Path, tag: str, client_state: dict | None = None) -> None:
+        self.engine.save_checkpoint(str(directory), tag=tag, client_state=client_state or {})
+
+    def load_checkpoint(self, directory: Path, tag: str) -> dict:
+        _, client_state = self.engine.load_checkpoint(str(directory), tag=tag)
+        return client_state or {}
+
+    def save_pretrained(self, directory: Path) -> Path:
+        self.engine.module.save_pretrained(directory)
+        return directory

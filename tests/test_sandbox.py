@@ -1,0 +1,289 @@
+"""Tests for the code-execution sandbox: status/result types, the isolated executor's statuses and
+limits, the HTTP service (validation, batching, 503 backpressure, stats) and the client (failover,
+outage -> INTERNAL).
+
+Everything runs against real servers started with SandboxService on 127.0.0.1 and real Python
+subprocesses; nothing is mocked. About 10 s on two cores.
+
+    .venv/bin/python -m pytest tests/test_sandbox.py -v
+"""
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tasks.sandbox.client import SandboxClient
+from tasks.sandbox.executor import TRUNCATION_MARKER, Limits
+from tasks.sandbox.server import SandboxService, _free_port
+from tasks.sandbox.status import ToolResult, ToolStatus
+
+# Short limits keep the timeout tests quick.
+LIMITS = Limits(timeout_s=2.0, cpu_s=2, memory_mb=256, output_bytes=1024)
+SECRET_NAME = "RSTAR2_SANDBOX_TEST_SECRET"
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[SandboxService]:
+    # The server inherits this; the sandboxed programs must not.
+    os.environ[SECRET_NAME] = "hunter2"
+    try:
+        sandbox = SandboxService(workers=2, limits=LIMITS).start()
+    finally:
+        del os.environ[SECRET_NAME]
+    try:
+        yield sandbox
+    finally:
+        sandbox.stop()
+
+
+def execute(url: str, code: str, stdin: str = "") -> ToolResult:
+    async def go() -> ToolResult:
+        async with SandboxClient([url]) as client:
+            return await client.execute(code, stdin)
+
+    return asyncio.run(go())
+
+
+def execute_batch(urls: list[str], calls: list[tuple[str, str]], **client_kw) -> list[ToolResult]:
+    async def go() -> list[ToolResult]:
+        async with SandboxClient(urls, **client_kw) as client:
+            return await client.execute_batch(calls)
+
+    return asyncio.run(go())
+
+
+# ------------------------------------------------------------------------------------------------
+# Types
+
+
+def test_failure_blames_the_model_not_the_service() -> None:
+    failures = {s for s in ToolStatus if s.is_failure}
+    assert failures == {"error", "timeout", "memory", "output_limit", "parse_error", "killed"}
+
+
+def test_result_round_trips_through_json() -> None:
+    result = ToolResult(ToolStatus.TIMEOUT, stdout="a", stderr="b", exit_code=-9, wall_s=2.0)
+    assert ToolResult.from_dict(json.loads(json.dumps(result.to_dict()))) == result
+    assert result.to_dict()["status"] == "timeout"
+
+
+# ------------------------------------------------------------------------------------------------
+# Executor behaviour, through the service
+
+
+def test_print(service: SandboxService) -> None:
+    result = execute(service.url, "print(1 + 1)")
+    assert (result.status, result.stdout, result.exit_code) == (ToolStatus.OK, "2\n", 0)
+
+
+@pytest.mark.parametrize(
+    "code, stdout",
+    [
+        ("x = 21\nx * 2", "42\n"),
+        ("print('a')\nNone", "a\n"),  # None is not echoed
+        ("x = 1", ""),  # an assignment is not an expression
+        ("def f():\n    return 'v'\nf()", "'v'\n"),  # repr, as IPython shows it
+    ],
+)
+def test_final_bare_expression_is_echoed(service: SandboxService, code: str, stdout: str) -> None:
+    result = execute(service.url, code)
+    assert (result.status, result.stdout) == (ToolStatus.OK, stdout)
+
+
+def test_stdin_is_read(service: SandboxService) -> None:
+    code = "import sys\nprint(sum(int(t) for t in sys.stdin.read().split()))"
+    assert execute(service.url, code, "1 2\n3\n").stdout == "6\n"
+
+
+def test_syntax_error(service: SandboxService) -> None:
+    result = execute(service.url, "print(")
+    assert result.status == ToolStatus.ERROR
+    assert "SyntaxError" in result.stderr
+
+
+def test_exception_gives_traceback_of_the_users_code_only(service: SandboxService) -> None:
+    result = execute(service.url, "def f():\n    raise ValueError('boom')\nf()")
+    assert result.status == ToolStatus.ERROR and result.exit_code == 1
+    assert result.stderr.startswith("Traceback")
+    assert "raise ValueError('boom')" in result.stderr  # the source line is quoted
+    assert result.stderr.rstrip().endswith("ValueError: boom")
+    assert "<string>" not in result.stderr  # no frame from the runner
+
+
+def test_word_error_in_stdout_is_still_ok(service: SandboxService) -> None:
+    result = execute(service.url, "print('error: Traceback (most recent call last)')")
+    assert result.status == ToolStatus.OK
+
+
+def test_cpu_loop_and_sleep_time_out(service: SandboxService) -> None:
+    started = time.monotonic()
+    results = execute_batch(
+        [service.url], [("while True:\n    pass", ""), ("import time\ntime.sleep(60)", "")]
+    )
+    assert [r.status for r in results] == [ToolStatus.TIMEOUT, ToolStatus.TIMEOUT]
+    assert all(r.wall_s <= LIMITS.timeout_s + 1 for r in results)
+    assert time.monotonic() - started < LIMITS.timeout_s + 3
+
+
+def test_memory_bomb(service: SandboxService) -> None:
+    grow = "chunks = []\nwhile True:\n    chunks.append(bytearray(10**7))"
+    results = execute_batch([service.url], [(grow, ""), ("bytearray(10**10)", "")])
+    assert [r.status for r in results] == [ToolStatus.MEMORY, ToolStatus.MEMORY]
+    assert "MemoryError" in results[0].stderr
+
+
+def test_huge_output_is_cut_and_killed(service: SandboxService) -> None:
+    results = execute_batch(
+        [service.url], [("print('x' * 10**6)", ""), ("while True:\n    print('spam')", "")]
+    )
+    for result in results:
+        assert result.status == ToolStatus.OUTPUT_LIMIT
+        assert result.stdout.endswith(TRUNCATION_MARKER)
+        assert len(result.stdout) <= LIMITS.output_bytes + len(TRUNCATION_MARKER)
+    assert results[1].wall_s < LIMITS.timeout_s  # killed at the limit, not at the timeout
+
+
+def test_signal_death_is_killed(service: SandboxService) -> None:
+    result = execute(service.url, "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)")
+    assert (result.status, result.exit_code) == (ToolStatus.KILLED, -11)
+
+
+def test_background_child_does_not_hold_the_call(service: SandboxService) -> None:
+    code = "import subprocess\nsubprocess.Popen(['sleep', '30'])\nprint('started')"
+    result = execute(service.url, code)
+    assert (result.status, result.stdout) == (ToolStatus.OK, "started\n")
+    assert result.wall_s < LIMITS.timeout_s
+
+
+def test_files_land_in_a_private_temp_dir_that_is_removed(service: SandboxService) -> None:
+    code = (
+        "import json, os\n"
+        "open('out.txt', 'w').write('hello')\n"
+        "print(json.dumps({'cwd': os.getcwd(), 'file': os.path.abspath('out.txt'),"
+        " 'home': os.environ['HOME']}))"
+    )
+    result = execute(service.url, code)
+    assert result.status == ToolStatus.OK, result.stderr
+    seen = json.loads(result.stdout)
+    cwd = Path(seen["cwd"])
+    assert seen["home"] == seen["cwd"]
+    assert PROJECT_ROOT not in [cwd, *cwd.parents]
+    assert Path(seen["file"]).parent == cwd
+    assert not cwd.exists() and not cwd.parent.exists()
+
+
+def test_environment_is_scrubbed(service: SandboxService) -> None:
+    result = execute(service.url, "import os, json\nprint(json.dumps(sorted(os.environ)))")
+    names = set(json.loads(result.stdout))
+    assert SECRET_NAME not in names
+    assert names <= {
+        "PATH", "LANG", "HOME", "TMPDIR", "PYTHONDONTWRITEBYTECODE",
+        "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# Service and client
+
+
+def test_batch_returns_in_order_across_chunks(service: SandboxService) -> None:
+    # Later calls finish first, and chunks of 3 travel as separate requests.
+    calls = [(f"import time\ntime.sleep({0.05 * (7 - i)})\nprint({i})", "") for i in range(8)]
+    results = execute_batch([service.url], calls, batch_size=3)
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(8)]
+
+
+def test_dead_url_gives_internal_without_raising() -> None:
+    dead = f"http://127.0.0.1:{_free_port('127.0.0.1')}"
+    results = execute_batch([dead], [("print(1)", ""), ("print(2)", "")], retries=2, backoff_s=0.01)
+    assert [r.status for r in results] == [ToolStatus.INTERNAL] * 2
+    assert all(r.stderr.startswith("sandbox unavailable:") for r in results)
+    assert not results[0].status.is_failure
+
+
+def test_client_fails_over_from_a_dead_replica(service: SandboxService) -> None:
+    dead = f"http://127.0.0.1:{_free_port('127.0.0.1')}"
+    calls = [(f"print({i})", "") for i in range(4)]
+    results = execute_batch([dead, service.url], calls, batch_size=1, retries=1, backoff_s=0.01)
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(4)]
+
+
+def test_bad_requests_name_the_field(service: SandboxService) -> None:
+    async def post(path: str, data: str) -> tuple[int, str]:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(service.url + path, data=data) as response:
+                return response.status, (await response.json())["error"]
+
+    async def go() -> list[tuple[int, str]]:
+        return [
+            await post("/execute", "not json"),
+            await post("/execute", json.dumps({"code": 5})),
+            await post("/execute", json.dumps({"code": "1", "input": ["x"]})),
+            await post("/execute_batch", json.dumps({"requests": [{"code": "1"}, {"input": ""}]})),
+            await post("/execute_batch", json.dumps({"requests": "print(1)"})),
+            await post("/execute_batch", json.dumps({"requests": ["print(1)"]})),
+        ]
+
+    answers = asyncio.run(go())
+    assert [status for status, _ in answers] == [400] * 6
+    for (_, message), field in zip(
+        answers, ["JSON", "'code'", "'input'", "'requests[1].code'", "'requests'", "'requests[0]'"]
+    ):
+        assert field in message
+
+
+def test_full_queue_answers_503_instead_of_hanging() -> None:
+    sleeper = json.dumps({"code": "import time\ntime.sleep(1)", "input": ""})
+
+    Answer = tuple[int, dict, float]  # HTTP status, body, seconds to answer
+
+    async def post(session: aiohttp.ClientSession, url: str, data: str) -> Answer:
+        started = time.monotonic()
+        async with session.post(url, data=data) as response:
+            return response.status, await response.json(), time.monotonic() - started
+
+    async def go(url: str) -> tuple[list[Answer], Answer]:
+        async with aiohttp.ClientSession() as session:
+            # One runs, one waits, the third finds the queue full.
+            calls = [post(session, url + "/execute", sleeper) for _ in range(3)]
+            answers = await asyncio.gather(*calls)
+            too_big = json.dumps({"requests": [{"code": "1"}] * 3})
+            return list(answers), await post(session, url + "/execute_batch", too_big)
+
+    with SandboxService(workers=1, max_queue=1, limits=LIMITS) as busy:
+        answers, too_big = asyncio.run(go(busy.url))
+        stats = asyncio.run(_get_json(busy.url + "/stats"))
+    statuses = sorted(status for status, _, _ in answers)
+    assert statuses == [200, 200, 503]
+    [(_, body, elapsed)] = [a for a in answers if a[0] == 503]
+    assert body == {"error": "busy"} and elapsed < 1.0
+    assert too_big[0] == 413 and "capacity" in too_big[1]["error"]
+    assert stats["rejected"] == 1 and stats["done"] == 2
+
+
+def test_health_and_stats(service: SandboxService) -> None:
+    execute(service.url, "print('counted')")
+    assert asyncio.run(_get_json(service.url + "/health"))["status"] == "ok"
+    stats = asyncio.run(_get_json(service.url + "/stats"))
+    assert stats["done"] >= 1 and stats["by_status"]["ok"] >= 1
+    assert stats["in_flight"] == 0
+    assert 0 < stats["latency_p50_s"] <= stats["latency_p99_s"]
+
+
+def test_service_that_cannot_start_reports_why(service: SandboxService) -> None:
+    taken = SandboxService(port=service.port, startup_timeout_s=15)
+    with pytest.raises(RuntimeError, match="exited with code"):
+        taken.start()
+
+
+async def _get_json(url: str) -> dict:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url) as response:
+            return await response.json()
