@@ -23,7 +23,7 @@ def rl_step(cfg: RunConfig, ctx: RunContext, runtime: Runtime, stage: StageConfi
     write_rollouts(ctx.run_id, ctx.run_dir, stage.name, step, trajectories, batch_problems, scored,
                    batch.kept, batch.advantages)
     update = update_policy(runtime, batch, cfg)
-    update |= sync_weights(runtime)
+    update |= sync_weights(runtime, batch)
     return record_step(ctx, stage_run, stage, step, trajectories, scored, batch, times, update)
 
 

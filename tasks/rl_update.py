@@ -12,7 +12,7 @@ from tasks.config import RunConfig, StageConfig
 from tasks.data.problems import Problem
 from tasks.rl.batch import TrainingBatch, select_training_batch, trajectory_score
 from tasks.rollout.agent import RolloutSpec, RolloutTimes, Trajectory
-from tasks.rollout.metrics import rollout_metrics
+from tasks.rollout.metrics import max_logprob_gap, rollout_metrics
 from tasks.runtime import RunContext, Runtime
 from tasks.store.tables import STEPS, step_part, write_table
 
@@ -48,11 +48,17 @@ def update_policy(runtime: Runtime, batch: TrainingBatch, cfg: RunConfig) -> dic
 
 
 @task(cache_policy=NO_CACHE)
-def sync_weights(runtime: Runtime) -> dict:
-    """Push the trainer's weights into the running engine (no restart)."""
+def sync_weights(runtime: Runtime, batch: TrainingBatch, probe_size: int = 2) -> dict:
+    """Push the trainer's weights into the running engine (no restart), then compare the two
+    views of the policy on a few kept trajectories: a stale or wrong sync shows up as a gap."""
     started = time.perf_counter()
     runtime.engine.load_weights(runtime.trainer.named_weights())
-    return {"time_sync_s": time.perf_counter() - started}
+    metrics = {"time_sync_s": time.perf_counter() - started}
+    probe = batch.samples[:probe_size]
+    if probe:
+        engine_view = runtime.engine.prompt_logprobs([s.token_ids for s in probe])
+        metrics["sync_logprob_gap"] = max_logprob_gap(engine_view, runtime.trainer.token_logprobs(probe))
+    return metrics
 
 
 @task(cache_policy=NO_CACHE)

@@ -22,7 +22,9 @@ from tqdm import tqdm
 
 from tasks.rollout.engine import Engine
 from tasks.rollout.format import (
+    ANSWER_OPEN,
     TOOL_CALL_CLOSE,
+    ToolCall,
     ToolCallError,
     parse_tool_call,
     prompt_text,
@@ -83,6 +85,33 @@ def render_tool_result(result: ToolResult, max_chars: int) -> str:
     return truncate_middle(text.strip(), max_chars)
 
 
+def end_turn(traj: Trajectory, token_ids: list[int], text: str, finish_reason: str, spec: RolloutSpec,
+             tool_call_close: int) -> ToolCall | ToolCallError | None:
+    """Record a finished assistant turn and say what comes next.
+
+    Returns the tool call to run, the parse error to answer with, or None when the trajectory
+    is over (its stop_reason then says why).
+    """
+    traj.turns += 1
+    traj.extend(token_ids, text, trainable=True)
+    if not token_ids or token_ids[-1] != tool_call_close:
+        if finish_reason == "length":
+            traj.stop_reason = "budget"
+        else:
+            traj.stop_reason = "answer" if ANSWER_OPEN in text else "no_answer"
+        return None
+    if traj.turns >= spec.max_turns:
+        traj.stop_reason = "max_turns"
+        return None
+    try:
+        call = parse_tool_call(text, spec.tool_name)
+    except ToolCallError as exc:
+        traj.tool_calls.append(ToolCallRecord(traj.turns, ToolStatus.PARSE_ERROR, 0.0, ""))
+        return exc
+    traj.tool_calls.append(ToolCallRecord(traj.turns, ToolStatus.INTERNAL, 0.0, call.code))
+    return call
+
+
 class ToolRunner:
     """Runs the async sandbox client on a loop of its own, so the sync engine loop can poll."""
 
@@ -130,7 +159,7 @@ def run_rollouts(
     max_model_len = engine.cfg.max_model_len
     trajectories: list[Trajectory] = []
     for problem_id, question in problems:
-        prompt_ids = tokenizer(prompt_text(question, spec.tool_name, spec.tool_spec))["input_ids"]
+        prompt_ids = tokenizer(prompt_text(question, spec.tool_name, spec.tool_spec), add_special_tokens=False)["input_ids"]
         trajectories += [Trajectory(problem_id, s, prompt_ids) for s in range(samples_per_problem)]
 
     def submit_turn(index: int) -> bool:
@@ -139,6 +168,7 @@ def run_rollouts(
         budget = min(spec.max_response_tokens - len(traj.response_ids),
                      max_model_len - len(traj.prompt_ids) - len(traj.response_ids))
         if budget <= 0:
+            traj.stop_reason = "budget"
             # A tool response may overshoot the shared budget: the trainer never sees past it.
             limit = min(spec.max_response_tokens, max_model_len - len(traj.prompt_ids))
             del traj.response_ids[limit:], traj.loss_mask[limit:]
@@ -152,38 +182,26 @@ def run_rollouts(
     pending_tools: dict[int, tuple[Future, float]] = {}
     progress = tqdm(total=len(trajectories), desc=desc, leave=False, disable=None)
 
-    def finish(traj: Trajectory, reason: str) -> None:
-        traj.stop_reason = reason
-        progress.update(1)
-
     for index in range(len(trajectories)):
         if not submit_turn(index):
-            finish(trajectories[index], "budget")
+            progress.update(1)
 
     while engine.has_unfinished() or pending_tools:
         finished_turns = engine.step() if engine.has_unfinished() else []
         for turn in finished_turns:
             index = int(turn.request_id.split(":")[0])
             traj = trajectories[index]
-            traj.turns += 1
             text = tokenizer.decode(turn.token_ids, skip_special_tokens=False)
-            traj.extend(turn.token_ids, text, trainable=True)
-            called_tool = bool(turn.token_ids) and turn.token_ids[-1] == tool_call_close
-            if not called_tool:
-                finish(traj, "budget" if turn.finish_reason == "length" else
-                       ("answer" if "<answer>" in text else "no_answer"))
-            elif traj.turns >= spec.max_turns:
-                finish(traj, "max_turns")
-            else:
-                try:
-                    call = parse_tool_call(text, spec.tool_name)
-                    future = tools.submit(call.code, call.stdin)
-                except ToolCallError as exc:
-                    future = Future()
-                    future.set_result(ToolResult(status=ToolStatus.PARSE_ERROR, stderr=str(exc)))
-                    call = None
+            action = end_turn(traj, turn.token_ids, text, turn.finish_reason, spec, tool_call_close)
+            if action is None:
+                progress.update(1)
+            elif isinstance(action, ToolCallError):
+                # A call that does not parse is answered with the parse error (recipe.md section 2).
+                future = Future()
+                future.set_result(ToolResult(status=ToolStatus.PARSE_ERROR, stderr=str(action)))
                 pending_tools[index] = (future, time.perf_counter())
-                traj.tool_calls.append(ToolCallRecord(traj.turns, ToolStatus.INTERNAL, 0.0, call.code if call else ""))
+            else:
+                pending_tools[index] = (tools.submit(action.code, action.stdin), time.perf_counter())
 
         if pending_tools and not engine.has_unfinished():
             # Nothing to generate until a tool answers: wait for the first one, not for all.
@@ -200,9 +218,9 @@ def run_rollouts(
             record.status, record.latency_s = result.status, time.perf_counter() - sent_at
             times.tool_exec_s += result.wall_s
             text = tool_response_text(render_tool_result(result, spec.tool_response_chars))
-            traj.extend(tokenizer(text)["input_ids"], text, trainable=False)
+            traj.extend(tokenizer(text, add_special_tokens=False)["input_ids"], text, trainable=False)
             if not submit_turn(index):
-                finish(traj, "budget")
+                progress.update(1)
     progress.close()
     times.total_s = time.perf_counter() - started
     return trajectories, times

@@ -111,6 +111,19 @@ class Engine:
                 finished.append(FinishedTurn(output.request_id, list(completion.token_ids), completion.finish_reason))
         return finished
 
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p of each token given its prefix (first token excluded): the engine's view of
+        the policy, compared with the trainer's to catch a stale or wrong weight sync."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
+        return [
+            [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], seq[1:])]
+            for out, seq in zip(outputs, sequences)
+        ]
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Push new weights into the running engine, then drop KV computed with the old ones."""
         worker = self._core.engine_core.engine_core.model_executor.driver_worker.worker

@@ -7,6 +7,11 @@ from collections import Counter
 from tasks.rollout.agent import Trajectory
 
 
+def max_logprob_gap(a: list[list[float]], b: list[list[float]]) -> float:
+    """Largest per-token |log p_a - log p_b| over paired sequences (0 for none)."""
+    return max((abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b)), default=0.0)
+
+
 def rollout_metrics(trajectories: list[Trajectory], rewards: list[float]) -> dict[str, float]:
     n = max(len(trajectories), 1)
     calls = [c for t in trajectories for c in t.tool_calls]

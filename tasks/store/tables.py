@@ -1,8 +1,8 @@
 """Table schemas, defined once, and atomic Parquet writes.
 
-Rows land under the run folder in hive-style partitions keyed by (stage, step), one file per
-step, so re-running a step replaces its file instead of appending duplicates, and DuckDB reads
-the whole table with `read_parquet('<run>/rollouts/**/*.parquet', hive_partitioning=true)`.
+Rows land under the run folder as one file per (stage, step), `<run>/<table>/<stage>/step-NNNNN.parquet`,
+so re-running a step replaces its file instead of appending duplicates. Every row carries its
+run, stage and step, and DuckDB reads a whole table with `read_parquet('<run>/rollouts/*/*.parquet')`.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def read_table(path: Path) -> list[dict]:
 
 
 def step_part(run_dir: Path, table: str, stage: str, step: int) -> Path:
-    return run_dir / table / f"stage={stage}" / f"step={step:05d}.parquet"
+    return run_dir / table / stage / f"step-{step:05d}.parquet"
 
 
 def rollout_rows(run_id: str, stage: str, step: int, trajectories, questions: dict[str, str],

@@ -90,6 +90,7 @@ class Trainer:
         )
         self.device = self.engine.device
         self.threads = threads
+        self.pad_id = model.config.pad_token_id or 0
 
     @contextmanager
     def _threads(self):
@@ -99,7 +100,6 @@ class Trainer:
             yield
         finally:
             torch.set_num_threads(previous)
-        self.pad_id = model.config.pad_token_id or 0
 
     # -- batching ---------------------------------------------------------------------------
 

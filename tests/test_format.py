@@ -1,0 +1,140 @@
+"""The rollout format (recipe.md section 2), the end-of-turn decisions of the agent loop, and
+the SFT examples built in the same format.
+
+Run: .venv/bin/python -m pytest tests/test_format.py -q
+"""
+
+import json
+
+import pytest
+
+from tasks.data.problems import generate_problems, split_problems, solve
+from tasks.data.sft import build_sft_examples
+from tasks.rollout.agent import RolloutSpec, Trajectory, end_turn, render_tool_result
+from tasks.rollout.format import (
+    TOOL_CALL_CLOSE,
+    ToolCall,
+    ToolCallError,
+    parse_tool_call,
+    prompt_text,
+    tool_call_text,
+    tool_response_text,
+    truncate_middle,
+)
+from tasks.sandbox.status import ToolResult, ToolStatus
+
+TOOL = "execute_python_code_with_standard_io"
+SPEC = RolloutSpec(max_turns=3, max_response_tokens=100, temperature=1.0, top_p=1.0, tool_name=TOOL,
+                   tool_response_chars=40)
+CLOSE = 7  # a stand-in id for </tool_call>: end_turn only compares ids
+
+
+def test_tool_call_round_trip():
+    text = "Let me compute." + tool_call_text(TOOL, "print(input())", "5\n")
+    assert parse_tool_call(text, TOOL) == ToolCall("print(input())", "5\n")
+
+
+@pytest.mark.parametrize("text, message", [
+    ('<tool_call>{"name": "x", "arguments": {"code": "1"}', "no complete"),
+    ("<tool_call>{not json}</tool_call>", "not valid JSON"),
+    ('<tool_call>["a"]</tool_call>', "JSON object"),
+    ('<tool_call>{"name": "python", "arguments": {"code": "1"}}</tool_call>', "unknown tool"),
+    (f'<tool_call>{{"name": "{TOOL}", "arguments": {{"code": 3}}}}</tool_call>', "string 'code'"),
+    (f'<tool_call>{{"name": "{TOOL}", "arguments": {{"code": "1", "input": 2}}}}</tool_call>', "'input'"),
+])
+def test_malformed_tool_calls_raise_a_readable_error(text, message):
+    with pytest.raises(ToolCallError, match=message):
+        parse_tool_call(text, TOOL)
+
+
+def test_double_encoded_arguments_are_accepted():
+    payload = json.dumps({"name": TOOL, "arguments": json.dumps({"code": "print(2)"})})
+    assert parse_tool_call(f"<tool_call>{payload}</tool_call>", TOOL).code == "print(2)"
+
+
+def test_truncate_middle_keeps_both_ends():
+    text = "HEAD" + "x" * 1000 + "TAIL"
+    cut = truncate_middle(text, 64)
+    assert len(cut) <= 64 and cut.startswith("HEAD") and cut.endswith("TAIL") and "truncated" in cut
+    assert truncate_middle("short", 64) == "short"
+
+
+def test_tool_response_is_a_user_turn_then_the_assistant_resumes():
+    text = tool_response_text("42")
+    assert "<tool_response>\n42\n</tool_response>" in text
+    assert text.startswith("<|im_end|>\n<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_prompt_lists_the_tool_and_opens_the_assistant_turn():
+    text = prompt_text("What is 1+1?", TOOL)
+    assert TOOL in text and "<tools>" in text and "\\boxed{}" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def _traj():
+    return Trajectory("p", 0, prompt_ids=[1, 2, 3])
+
+
+def test_end_turn_with_valid_call_returns_it():
+    traj = _traj()
+    action = end_turn(traj, [5, CLOSE], tool_call_text(TOOL, "print(1)"), "stop", SPEC, CLOSE)
+    assert action == ToolCall("print(1)", "") and traj.turns == 1 and traj.loss_mask == [1, 1]
+
+
+def test_end_turn_with_bad_json_returns_the_parse_error():
+    traj = _traj()
+    action = end_turn(traj, [5, CLOSE], "<tool_call>{oops" + TOOL_CALL_CLOSE, "stop", SPEC, CLOSE)
+    assert isinstance(action, ToolCallError)
+    assert traj.tool_calls[0].status is ToolStatus.PARSE_ERROR and traj.stop_reason == ""
+
+
+def test_end_turn_without_answer_or_call_stops_with_no_answer():
+    traj = _traj()
+    assert end_turn(traj, [5, 6], "I do not know", "stop", SPEC, CLOSE) is None
+    assert traj.stop_reason == "no_answer"
+
+
+def test_end_turn_runaway_length_stops_with_budget():
+    traj = _traj()
+    assert end_turn(traj, [5] * 100, "blah " * 100, "length", SPEC, CLOSE) is None
+    assert traj.stop_reason == "budget"
+
+
+def test_end_turn_answer_and_max_turns():
+    traj = _traj()
+    assert end_turn(traj, [5], "<answer>\\boxed{2}</answer>", "stop", SPEC, CLOSE) is None
+    assert traj.stop_reason == "answer"
+    traj = _traj()
+    for _ in range(SPEC.max_turns - 1):
+        assert end_turn(traj, [CLOSE], tool_call_text(TOOL, "1"), "stop", SPEC, CLOSE) is not None
+    assert end_turn(traj, [CLOSE], tool_call_text(TOOL, "1"), "stop", SPEC, CLOSE) is None
+    assert traj.stop_reason == "max_turns"
+
+
+@pytest.mark.parametrize("result, expected", [
+    (ToolResult(ToolStatus.OK, stdout="4\n"), "4"),
+    (ToolResult(ToolStatus.ERROR, stderr="Traceback...\nZeroDivisionError"), "ZeroDivisionError"),
+    (ToolResult(ToolStatus.TIMEOUT), "TimeoutError"),
+    (ToolResult(ToolStatus.PARSE_ERROR, stderr="tool call is not valid JSON"), "not valid JSON"),
+])
+def test_tool_results_are_rendered_for_the_model(result, expected):
+    assert expected in render_tool_result(result, 200)
+
+
+def test_problems_are_deterministic_and_answers_come_from_their_programs():
+    first, second = generate_problems(60, [1, 2, 3], seed=3), generate_problems(60, [1, 2, 3], seed=3)
+    assert first == second and len({p.problem_id for p in first}) == 60
+    for problem in first:
+        assert solve(problem.kind, problem.question, problem.solution_code) == problem.answer
+        assert int(problem.answer) >= 0 or problem.answer.startswith("-")
+    train, heldout = split_problems(first, 10, seed=0)
+    assert len(heldout) == 10 and not {p.problem_id for p in train} & {p.problem_id for p in heldout}
+
+
+def test_sft_examples_train_only_on_assistant_text():
+    for example in build_sft_examples(20, [1, 2], seed=0, tool_name=TOOL):
+        trainable = [text for text, flag in example if flag]
+        masked = [text for text, flag in example if not flag]
+        assert all("<tool_response>" not in text and "<|im_start|>system" not in text for text in trainable)
+        assert trainable[-1].endswith("</answer><|im_end|>")
+        assert masked[0].startswith("<|im_start|>system")
