@@ -14,7 +14,6 @@ from tasks.runtime import RunContext, Runtime
 def evaluate(cfg: RunConfig, ctx: RunContext, runtime: Runtime, label: str, problems: list[Problem]) -> dict:
     problems = problems[: cfg.eval.n_problems] if cfg.eval.n_problems else problems
     spec = rollout_spec(cfg, cfg.eval.max_turns, cfg.eval.max_response_tokens, cfg.eval.temperature)
-    trajectories, _ = roll_out(runtime, problems, cfg.eval.k, spec, desc=f"eval {label}")
-    scored = score(runtime, trajectories, problems)
-    write_rollouts(ctx.run_id, ctx.run_dir, f"eval-{label}", 0, trajectories, problems, scored)
-    return summarize_eval(ctx, label, trajectories, scored, cfg.eval.k)
+    rollouts = score(runtime, roll_out(runtime, problems, cfg.eval.k, spec, desc=f"eval {label}"))
+    write_rollouts(ctx.run_id, ctx.run_dir, f"eval-{label}", 0, rollouts)
+    return summarize_eval(ctx, label, rollouts, cfg.eval.k)

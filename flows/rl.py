@@ -16,15 +16,13 @@ def rl_step(cfg: RunConfig, ctx: RunContext, runtime: Runtime, stage: StageConfi
             problems: list[Problem], stage_run: str) -> dict:
     batch_problems = sample_problems(problems, stage.problems_per_step, cfg.seed, stage.name, step)
     spec = rollout_spec(cfg, stage.max_turns, stage.max_response_tokens, cfg.rollout.temperature)
-    trajectories, times = roll_out(runtime, batch_problems, cfg.rl.rollouts_per_problem, spec,
-                                   desc=f"{stage.name} step {step}")
-    scored = score(runtime, trajectories, batch_problems)
-    batch = select_batch(cfg, trajectories, scored, stage.name, step)
-    write_rollouts(ctx.run_id, ctx.run_dir, stage.name, step, trajectories, batch_problems, scored,
-                   batch.kept, batch.advantages)
+    rollouts = roll_out(runtime, batch_problems, cfg.rl.rollouts_per_problem, spec, desc=f"{stage.name} step {step}")
+    rollouts = score(runtime, rollouts)
+    batch = select_batch(cfg, rollouts, stage.name, step)
+    write_rollouts(ctx.run_id, ctx.run_dir, stage.name, step, rollouts, batch.kept, batch.advantages)
     update = update_policy(runtime, batch, cfg)
     update |= sync_weights(runtime, batch)
-    return record_step(ctx, stage_run, stage, step, trajectories, scored, batch, times, update)
+    return record_step(ctx, stage_run, stage, step, rollouts, batch, update)
 
 
 @flow(name="rl-stage", log_prints=True, validate_parameters=False)
@@ -34,9 +32,8 @@ def rl_stage(cfg: RunConfig, ctx: RunContext, runtime: Runtime, stage: StageConf
     runtime.policy_trainer(total_steps, stage.reset_optimizer)
     if stage.hard_only:
         spec = rollout_spec(cfg, stage.max_turns, stage.max_response_tokens, cfg.rollout.temperature)
-        trajectories, _ = roll_out(runtime, problems, stage.difficulty_attempts, spec, desc="difficulty filter")
-        problems = keep_unsolved(runtime, problems, trajectories, score(runtime, trajectories, problems),
-                                 stage.difficulty_attempts)
+        attempts = roll_out(runtime, problems, stage.difficulty_attempts, spec, desc="difficulty filter")
+        problems = keep_unsolved(score(runtime, attempts), stage.difficulty_attempts)
     for step in range(stage.steps):
         rl_step(cfg, ctx, runtime, stage, step, problems, stage_run)
     end_run(ctx, stage_run)

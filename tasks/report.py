@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tasks.config import RunConfig
-from tasks.rollout.agent import Trajectory
+from tasks.rollouts import Rollouts
 from tasks.rollout.metrics import rollout_metrics
 from tasks.runtime import RunContext
 from tasks.tracking.mlflow_log import Tracker
@@ -67,9 +67,9 @@ def end_run(ctx: RunContext, mlflow_run_id: str, ok: bool = True) -> None:
 
 
 @task(cache_policy=NO_CACHE)
-def summarize_eval(ctx: RunContext, label: str, trajectories: list[Trajectory], scored: dict, k: int) -> dict:
+def summarize_eval(ctx: RunContext, label: str, rollouts: Rollouts, k: int) -> dict:
     """avg@k pass@1 and tool use on the held-out split, logged on the parent run."""
-    metrics = rollout_metrics(trajectories, scored["rewards"])
+    metrics = rollout_metrics(rollouts.trajectories, rollouts.rewards)
     metrics["pass_at_1"] = metrics["reward_mean"]  # mean over problems and their k samples
     ctx.tracker.log_metrics(ctx.mlflow_run_id, {f"eval/{label}/{key}": v for key, v in metrics.items()})
     print(f"[eval {label}] pass@1 (avg@{k}) {metrics['pass_at_1']:.3f}, tool-call rate "

@@ -11,8 +11,9 @@ from prefect.cache_policies import NO_CACHE
 from tasks.config import RunConfig, StageConfig
 from tasks.data.problems import Problem
 from tasks.rl.batch import TrainingBatch, select_training_batch, trajectory_score
-from tasks.rollout.agent import RolloutSpec, RolloutTimes, Trajectory
+from tasks.rollout.agent import RolloutSpec
 from tasks.rollout.metrics import max_logprob_gap, rollout_metrics
+from tasks.rollouts import Rollouts
 from tasks.runtime import RunContext, Runtime
 from tasks.store.tables import STEPS, step_part, write_table
 
@@ -30,10 +31,11 @@ def sample_problems(problems: list[Problem], n: int, seed: int, stage: str, step
 
 
 @task(cache_policy=NO_CACHE)
-def select_batch(cfg: RunConfig, trajectories: list[Trajectory], scored: dict, stage: str, step: int) -> TrainingBatch:
-    scores = [trajectory_score(t, r, b) for t, r, b in zip(trajectories, scored["rewards"], scored["answer_blocks"])]
+def select_batch(cfg: RunConfig, rollouts: Rollouts, stage: str, step: int) -> TrainingBatch:
+    scores = [trajectory_score(t, r, b)
+              for t, r, b in zip(rollouts.trajectories, rollouts.rewards, rollouts.answer_blocks)]
     rng = random.Random(f"{cfg.seed}/{stage}/{step}/roc")
-    return select_training_batch(trajectories, scores, cfg.rl.group_size, cfg.rl.roc, rng)
+    return select_training_batch(rollouts.trajectories, scores, cfg.rl.group_size, cfg.rl.roc, rng)
 
 
 @task(cache_policy=NO_CACHE)
@@ -62,22 +64,23 @@ def sync_weights(runtime: Runtime, batch: TrainingBatch, probe_size: int = 2) ->
 
 
 @task(cache_policy=NO_CACHE)
-def keep_unsolved(runtime: Runtime, problems: list[Problem], trajectories: list[Trajectory], scored: dict,
-                  attempts: int) -> list[Problem]:
+def keep_unsolved(rollouts: Rollouts, attempts: int) -> list[Problem]:
     """Difficulty filter: drop the problems the current policy solved in all its attempts."""
     solved: dict[str, float] = {}
-    for traj, reward in zip(trajectories, scored["rewards"]):
+    for traj, reward in zip(rollouts.trajectories, rollouts.rewards):
         solved[traj.problem_id] = solved.get(traj.problem_id, 0.0) + reward
+    problems = rollouts.problems
     hard = [p for p in problems if solved.get(p.problem_id, 0.0) < attempts]
     print(f"difficulty filter: kept {len(hard)} of {len(problems)} problems (solved < {attempts}/{attempts})")
     return hard
 
 
 @task(cache_policy=NO_CACHE)
-def record_step(ctx: RunContext, stage_run_id: str, stage: StageConfig, step: int, trajectories: list[Trajectory],
-                scored: dict, batch: TrainingBatch, times: RolloutTimes, update: dict) -> dict:
+def record_step(ctx: RunContext, stage_run_id: str, stage: StageConfig, step: int, rollouts: Rollouts,
+                batch: TrainingBatch, update: dict) -> dict:
     """All of a step's metrics, to MLflow and to the steps table."""
-    metrics = rollout_metrics(trajectories, scored["rewards"])
+    times = rollouts.times
+    metrics = rollout_metrics(rollouts.trajectories, rollouts.rewards)
     metrics.update(batch.roc.metrics(prefix="roc/"))
     metrics.update({"kept": sum(batch.kept), "dropped": len(batch.kept) - sum(batch.kept),
                     "time_rollout_s": times.total_s, "time_tool_wait_s": times.tool_wait_s,

@@ -33,12 +33,18 @@ def trajectory_score(traj: Trajectory, reward: float, answer_blocks: int) -> Tra
     )
 
 
-@dataclass
 class TrainingBatch:
-    samples: list[Sample]
-    kept: list[bool]  # per trajectory, in input order
-    advantages: list[float]  # per trajectory; 0 where not kept
-    roc: RocResult
+    """The kept trajectories as training samples, plus per-trajectory kept flags and advantages.
+
+    A plain class, not a dataclass: Prefect walks dataclasses passed to tasks element by element
+    (tens of thousands of token ids here), but passes plain objects through untouched.
+    """
+
+    def __init__(self, samples: list[Sample], kept: list[bool], advantages: list[float], roc: RocResult):
+        self.samples = samples
+        self.kept = kept  # per trajectory, in input order
+        self.advantages = advantages  # per trajectory; 0 where not kept
+        self.roc = roc
 
 
 def select_training_batch(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -206,8 +206,7 @@ def run_rollouts(
         if pending_tools and not engine.has_unfinished():
             # Nothing to generate until a tool answers: wait for the first one, not for all.
             wait_start = time.perf_counter()
-            while not any(f.done() for f, _ in pending_tools.values()):
-                time.sleep(0.002)
+            wait([f for f, _ in pending_tools.values()], return_when=FIRST_COMPLETED)
             times.tool_wait_s += time.perf_counter() - wait_start
 
         for index in [i for i, (f, _) in pending_tools.items() if f.done()]:

