@@ -17,6 +17,7 @@ from flows.sft import sft
 from tasks.config import default_config_path, load_config
 from tasks.curate import load_problems
 from tasks.report import Stopwatch, end_run, publish_summary, stage_row, start_pipeline_run
+from tasks.rollouts import serve_policy
 from tasks.runtime import Runtime
 from tasks.sft import build_base_model
 
@@ -36,7 +37,7 @@ def pipeline(config: str = str(default_config_path()), run_id: str | None = None
             before = evaluate(cfg, ctx, runtime, "base", heldout)
             rows.append(stage_row("base model", None, None, before, clock.lap()))
             sft_dir, sft_steps = sft(cfg, ctx, base_dir)
-            runtime.load_policy(sft_dir)
+            serve_policy(runtime, sft_dir)
             after = evaluate(cfg, ctx, runtime, "sft", heldout)
             rows.append(stage_row("sft", sft_steps, before, after, clock.lap()))
             total_rl_steps = sum(stage.steps for stage in cfg.rl.stages)

@@ -29,7 +29,13 @@ class TinyModelConfig(_Strict):
     num_kv_heads: int = 2
     intermediate_size: int = 512
     max_position_embeddings: int = 2048
-    pretrain_steps: int = 0  # optional LM pre-training on the corpus before SFT
+    # Language-model pre-training on problem statements and their programs (generated from a
+    # seed disjoint from the curated splits): a real base model arrives able to read numbers
+    # and write Python; the tiny one learns it here.
+    pretrain_steps: int = 0
+    pretrain_batch_size: int = 32
+    pretrain_seq_len: int = 256
+    pretrain_lr: float = 3e-3
 
 
 class ModelConfig(_Strict):

@@ -37,6 +37,12 @@ def roll_out(runtime: Runtime, problems: list[Problem], samples: int, spec: Roll
 
 
 @task(cache_policy=NO_CACHE)
+def serve_policy(runtime: Runtime, model_dir: Path) -> None:
+    """Load a model directory's weights into the running engine (no restart)."""
+    runtime.load_policy(model_dir)
+
+
+@task(cache_policy=NO_CACHE)
 def score(runtime: Runtime, rollouts: Rollouts) -> Rollouts:
     """Outcome reward per trajectory (the boxed answer in the <answer> block vs the label),
     set on the rollouts, which are returned."""

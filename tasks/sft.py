@@ -10,8 +10,9 @@ from prefect.cache_policies import NO_CACHE
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from tasks.config import RunConfig
+from tasks.config import OptimConfig, RunConfig
 from tasks.curate import load_problems
+from tasks.data.pretrain import pack_documents, pretraining_documents
 from tasks.data.sft import build_sft_examples, tokenize_segments
 from tasks.rl.batch import Sample
 from tasks.runtime import RunContext
@@ -26,12 +27,42 @@ def _sft_examples(cfg: RunConfig):
 
 @task(cache_policy=NO_CACHE)
 def build_base_model(cfg: RunConfig, run_dir: Path, train_path: Path) -> Path:
-    """A real model directory from the config, or the tiny model trained from scratch."""
+    """A real model directory from the config, or the tiny model built from scratch."""
     if cfg.model.path:
         return Path(cfg.model.path)
+    tiny = cfg.model.tiny
     corpus = [p.question + "\n" + p.solution_code for p in load_problems(train_path)]
     corpus += ["".join(text for text, _ in example) for example in _sft_examples(cfg)]
-    return build_tiny_model(cfg.model.tiny, corpus, cfg.seed, run_dir / "models" / "base")
+    model_dir = build_tiny_model(tiny, corpus, cfg.seed, run_dir / "models" / "base")
+    if tiny.pretrain_steps:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        documents = pretraining_documents(tiny.pretrain_steps * tiny.pretrain_batch_size * 8, cfg.data.levels,
+                                          seed=cfg.seed + 2_000_003)
+        samples = [Sample(ids, [1] * len(ids)) for ids in pack_documents(tokenizer, documents, tiny.pretrain_seq_len)]
+        optim = OptimConfig(lr=tiny.pretrain_lr, schedule="cosine", warmup_steps=tiny.pretrain_steps // 20,
+                            zero_stage=1, micro_batch_size=16)
+        trainer = Trainer(model_dir, optim, tiny.pretrain_steps, cfg.model.dtype, cfg.seed, cfg.trainer_threads)
+        _train(trainer, samples, tiny.pretrain_batch_size, tiny.pretrain_steps, "pretrain", None, None, cfg.seed)
+        trainer.save_pretrained(model_dir)
+    return model_dir
+
+
+def _train(trainer: Trainer, samples: list[Sample], batch_size: int, total: int, desc: str,
+           ctx: RunContext | None, stage_run_id: str | None, seed: int) -> None:
+    """`total` optimizer steps over shuffled epochs of the samples, with a progress bar."""
+    steps_per_epoch = max(len(samples) // batch_size, 1)
+    rng = random.Random(seed)
+    tracker = ctx.tracker if ctx else None
+    with tqdm(total=total, desc=desc, disable=None) as progress:
+        for step in range(total):
+            if step % steps_per_epoch == 0:
+                rng.shuffle(samples)
+            start = (step % steps_per_epoch) * batch_size
+            metrics = trainer.sft_step(samples[start : start + batch_size])
+            if tracker:
+                tracker.log_metrics(stage_run_id, {f"{desc}/{k}": v for k, v in metrics.items()}, step)
+            progress.set_postfix(loss=f"{metrics['loss']:.3f}")
+            progress.update(1)
 
 
 @task(cache_policy=NO_CACHE)
@@ -43,21 +74,10 @@ def train_sft(cfg: RunConfig, ctx: RunContext, base_dir: Path, stage_run_id: str
         ids, mask = tokenize_segments(tokenizer, example)
         if len(ids) <= cfg.sft.max_len:  # longer examples would be cut mid-format
             samples.append(Sample(ids, mask))
-    steps_per_epoch = -(-len(samples) // cfg.sft.batch_size)
-    total = steps_per_epoch * cfg.sft.epochs
+    total = max(len(samples) // cfg.sft.batch_size, 1) * cfg.sft.epochs
     optim = cfg.sft.optim.model_copy(update={"warmup_steps": round(cfg.sft.warmup_ratio * total)})
     trainer = Trainer(base_dir, optim, total, cfg.model.dtype, cfg.seed, cfg.trainer_threads)
-    rng = random.Random(cfg.seed)
-    tracker = ctx.tracker
-    with tqdm(total=total, desc="sft", disable=None) as progress:
-        for step in range(total):
-            if step % steps_per_epoch == 0:
-                rng.shuffle(samples)
-            start = (step % steps_per_epoch) * cfg.sft.batch_size
-            metrics = trainer.sft_step(samples[start : start + cfg.sft.batch_size])
-            tracker.log_metrics(stage_run_id, {f"sft/{k}": v for k, v in metrics.items()}, step)
-            progress.set_postfix(loss=f"{metrics['loss']:.3f}")
-            progress.update(1)
+    _train(trainer, samples, cfg.sft.batch_size, total, "sft", ctx, stage_run_id, cfg.seed)
     out = trainer.save_pretrained(ctx.run_dir / "models" / "sft")
     tokenizer.save_pretrained(out)
     return out, total

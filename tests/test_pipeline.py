@@ -12,6 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from prefect.testing.utilities import prefect_test_harness
 
+from dashboards.views import connect
 from flows.pipeline import pipeline
 from tasks.tracking.mlflow_log import EXPERIMENT, tracking_uri
 
@@ -25,7 +26,7 @@ def run(tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("outputs")
     overrides = {
         "output_dir": str(output_dir),
-        "data.n_train": 48, "data.n_heldout": 6,
+        "data.n_train": 48, "data.n_heldout": 6, "model.tiny.pretrain_steps": 2,
         "sft.n_examples": 96, "sft.epochs": 1,
         "rl.group_size": 4, "rl.stages": [STAGE],
         "eval.k": 2, "eval.max_turns": 3, "eval.max_response_tokens": 128,
@@ -58,6 +59,22 @@ def test_rollout_rows_are_queryable_and_consistent(run):
                       f"FROM {table} WHERE stage = 'stage1' GROUP BY ALL").fetchall()
     for _, _, k, classes in kept:
         assert k == (4 if classes == 2 else 0)  # G kept from groups with signal, none from the rest
+
+
+README_QUERY = """
+    SELECT run_id, stage, step, count(*) AS rollouts, avg(reward) AS reward,
+           avg(tool_calls) AS tool_calls, sum(kept::INT) AS kept
+    FROM rollouts GROUP BY ALL ORDER BY ALL
+"""
+
+
+def test_readme_query_runs_on_the_views(run):
+    result, _ = run
+    assert README_QUERY in (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows = connect(result["run_dir"]).sql(README_QUERY).fetchall()
+    assert len(rows) == 5 and all(row[0] == "e2e" and row[3] in (12, 32) for row in rows)
+    metrics = connect(result["run_dir"]).sql("SELECT DISTINCT metric FROM steps").fetchall()
+    assert ("reward_mean",) in metrics
 
 
 def test_mlflow_has_nested_stage_runs_with_step_metrics(run):

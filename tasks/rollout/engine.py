@@ -73,10 +73,6 @@ class Engine:
     def _core(self):
         return self.llm.llm_engine
 
-    def kv_capacity_tokens(self) -> int:
-        cache = self._core.vllm_config.cache_config
-        return cache.num_gpu_blocks * cache.block_size
-
     def add_request(
         self,
         request_id: str,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from mlflow.entities import Metric, Param, RunStatus, RunTag
+from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
 EXPERIMENT = "rstar2-pipeline"
@@ -27,7 +27,10 @@ class Tracker:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(tracking_uri=self.uri)
         found = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        # Artifacts beside the database, so that all a run writes stays under the output folder.
+        artifacts = (Path(output_dir).resolve() / "mlartifacts").as_uri()
+        self.experiment_id = found.experiment_id if found else self.client.create_experiment(
+            experiment, artifact_location=artifacts)
 
     def start_run(self, name: str, params: dict, parent_run_id: str | None = None, tags: dict | None = None) -> str:
         all_tags = dict(tags or {})
@@ -47,9 +50,6 @@ class Tracker:
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
         if batch:
             self.client.log_batch(run_id, metrics=batch)
-
-    def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
-        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_artifact(self, run_id: str, path: str | Path) -> None:
         self.client.log_artifact(run_id, str(path))

@@ -206,13 +206,6 @@ class Trainer:
             out += [row[: int(n)].tolist() for row, n in zip(logp, lengths)]
         return out
 
-    def save_checkpoint(self, directory: Path, tag: str, client_state: dict | None = None) -> None:
-        self.engine.save_checkpoint(str(directory), tag=tag, client_state=client_state or {})
-
-    def load_checkpoint(self, directory: Path, tag: str) -> dict:
-        _, client_state = self.engine.load_checkpoint(str(directory), tag=tag)
-        return client_state or {}
-
     def save_pretrained(self, directory: Path) -> Path:
         self.engine.module.save_pretrained(directory)
         return directory

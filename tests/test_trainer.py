@@ -1,0 +1,49 @@
+"""The DeepSpeed trainer (CPU accelerator): one optimizer step per call whatever the number of
+micro-batches, and a policy-gradient step moves log-probs in the advantage's direction.
+
+Run: .venv/bin/python -m pytest tests/test_trainer.py -q   (about 30 s)
+"""
+
+import pytest
+
+from tasks.config import LossConfig, OptimConfig, TinyModelConfig
+from tasks.data.problems import generate_problems
+from tasks.rl.batch import Sample
+from tasks.train.tiny_model import build_tiny_model
+from tasks.train.trainer import Trainer, lr_multiplier
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    problems = generate_problems(32, [1], seed=0)
+    cfg = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=1, num_kv_heads=1, intermediate_size=128)
+    model_dir = build_tiny_model(cfg, [p.question for p in problems], seed=0, out_dir=tmp_path_factory.mktemp("m"))
+    optim = OptimConfig(lr=1e-2, warmup_steps=0, zero_stage=2, micro_batch_size=2)
+    return Trainer(model_dir, optim, total_steps=10)
+
+
+def _samples(advantages):
+    return [Sample(list(range(3, 3 + 12 + i)), [0] * 4 + [1] * (8 + i), a) for i, a in enumerate(advantages)]
+
+
+def test_one_optimizer_step_per_call(trainer):
+    before = trainer.engine.global_steps
+    trainer.rl_step(_samples([1.0, -1.0, 1.0, -1.0, 0.5]), LossConfig())  # 3 micro-batches
+    trainer.rl_step(_samples([1.0, -1.0]), LossConfig())  # 1 micro-batch
+    assert trainer.engine.global_steps == before + 2
+
+
+def test_positive_advantage_raises_log_probs_negative_lowers(trainer):
+    up, down = _samples([1.0])[0], Sample(list(range(20, 32)), [0] * 4 + [1] * 8, -1.0)
+    before = trainer.token_logprobs([up, down])
+    metrics = trainer.rl_step([up, down], LossConfig())
+    after = trainer.token_logprobs([up, down])
+    assert sum(after[0][3:]) > sum(before[0][3:]) and sum(after[1][3:]) < sum(before[1][3:])
+    assert metrics["tokens"] == 16 and metrics["grad_norm"] > 0 and metrics["entropy"] > 0
+
+
+def test_lr_schedule_warms_up_from_the_first_step():
+    optim = OptimConfig(lr=1.0, warmup_steps=3, schedule="cosine")
+    values = [lr_multiplier(step, optim, total_steps=13) for step in range(14)]
+    assert values[:3] == [0.25, 0.5, 0.75] and values[3] == 1.0
+    assert values[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(values[3:], values[4:]))
