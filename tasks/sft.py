@@ -26,14 +26,15 @@ def _sft_examples(cfg: RunConfig):
 
 
 @task(cache_policy=NO_CACHE)
-def build_base_model(cfg: RunConfig, run_dir: Path, train_path: Path) -> Path:
-    """A real model directory from the config, or the tiny model built from scratch."""
+def build_base_model(cfg: RunConfig, ctx: RunContext, train_path: Path, stage_run_id: str) -> tuple[Path, int]:
+    """A real model directory from the config, or the tiny model built (and pre-trained) from
+    scratch; returns the directory and the pre-training steps."""
     if cfg.model.path:
-        return Path(cfg.model.path)
+        return Path(cfg.model.path), 0
     tiny = cfg.model.tiny
     corpus = [p.question + "\n" + p.solution_code for p in load_problems(train_path)]
     corpus += ["".join(text for text, _ in example) for example in _sft_examples(cfg)]
-    model_dir = build_tiny_model(tiny, corpus, cfg.seed, run_dir / "models" / "base")
+    model_dir = build_tiny_model(tiny, corpus, cfg.seed, ctx.run_dir / "models" / "base")
     if tiny.pretrain_steps:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         documents = pretraining_documents(tiny.pretrain_steps * tiny.pretrain_batch_size * 8, cfg.data.levels,
@@ -42,25 +43,24 @@ def build_base_model(cfg: RunConfig, run_dir: Path, train_path: Path) -> Path:
         optim = OptimConfig(lr=tiny.pretrain_lr, schedule="cosine", warmup_steps=tiny.pretrain_steps // 20,
                             zero_stage=1, micro_batch_size=16)
         trainer = Trainer(model_dir, optim, tiny.pretrain_steps, cfg.model.dtype, cfg.seed, cfg.trainer_threads)
-        _train(trainer, samples, tiny.pretrain_batch_size, tiny.pretrain_steps, "pretrain", None, None, cfg.seed)
+        _train(trainer, samples, tiny.pretrain_batch_size, tiny.pretrain_steps, "pretrain", ctx, stage_run_id, cfg.seed)
         trainer.save_pretrained(model_dir)
-    return model_dir
+    return model_dir, tiny.pretrain_steps
 
 
 def _train(trainer: Trainer, samples: list[Sample], batch_size: int, total: int, desc: str,
-           ctx: RunContext | None, stage_run_id: str | None, seed: int) -> None:
+           ctx: RunContext, stage_run_id: str, seed: int) -> None:
     """`total` optimizer steps over shuffled epochs of the samples, with a progress bar."""
     steps_per_epoch = max(len(samples) // batch_size, 1)
     rng = random.Random(seed)
-    tracker = ctx.tracker if ctx else None
+    tracker = ctx.tracker
     with tqdm(total=total, desc=desc, disable=None) as progress:
         for step in range(total):
             if step % steps_per_epoch == 0:
                 rng.shuffle(samples)
             start = (step % steps_per_epoch) * batch_size
             metrics = trainer.sft_step(samples[start : start + batch_size])
-            if tracker:
-                tracker.log_metrics(stage_run_id, {f"{desc}/{k}": v for k, v in metrics.items()}, step)
+            tracker.log_metrics(stage_run_id, {f"{desc}/{k}": v for k, v in metrics.items()}, step)
             progress.set_postfix(loss=f"{metrics['loss']:.3f}")
             progress.update(1)
 

@@ -85,7 +85,8 @@ def test_mlflow_has_nested_stage_runs_with_step_metrics(run):
     parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(parent) == 1 and parent[0].info.status == "FINISHED"
     stages = {r.data.tags["rstar2.stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id}
-    assert set(stages) == {"sft", "stage1"}
+    assert set(stages) == {"base", "sft", "stage1"}
+    assert [m.step for m in client.get_metric_history(stages["base"].info.run_id, "pretrain/loss")] == [0, 1]
     rl = stages["stage1"].info.run_id
     for metric in ("reward_mean", "kept", "dropped", "tool_calls", "tool_errors", "response_length_mean",
                    "time_rollout_s", "time_tool_wait_s"):

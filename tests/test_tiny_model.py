@@ -1,0 +1,44 @@
+"""The embedded default model: deterministic from the seed, a Hugging Face directory whose
+tokenizer keeps the format's tags whole and splits numbers into digits.
+
+Run: .venv/bin/python -m pytest tests/test_tiny_model.py -q
+"""
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tasks.config import TinyModelConfig
+from tasks.data.problems import generate_problems
+from tasks.rollout.format import IM_END, TAG_TOKENS, tool_call_text
+
+CFG = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=1, num_kv_heads=1, intermediate_size=128)
+CORPUS = [p.question + "\n" + p.solution_code for p in generate_problems(200, [1, 2, 3], seed=0)]
+
+
+def _build(path, seed=0):
+    from tasks.train.tiny_model import build_tiny_model
+
+    return build_tiny_model(CFG, CORPUS, seed, path)
+
+
+def test_same_seed_same_files(tmp_path):
+    first, second = _build(tmp_path / "a"), _build(tmp_path / "b")
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    assert (_build(tmp_path / "c", seed=1) / "model.safetensors").read_bytes() != (first / "model.safetensors").read_bytes()
+
+
+def test_loads_as_a_qwen2_causal_lm_with_untied_embeddings(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(_build(tmp_path / "m"))
+    assert model.config.model_type == "qwen2" and not model.config.tie_word_embeddings
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "m")
+    assert model.config.vocab_size >= len(tokenizer) and tokenizer.eos_token == IM_END
+
+
+def test_tags_are_single_tokens_and_digits_split(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(_build(tmp_path / "m"))
+    for tag in TAG_TOKENS:
+        assert len(tokenizer(tag, add_special_tokens=False)["input_ids"]) == 1, tag
+    pieces = tokenizer.convert_ids_to_tokens(tokenizer("x = 40961", add_special_tokens=False)["input_ids"])
+    assert pieces[-5:] == ["4", "0", "9", "6", "1"]
+    text = tool_call_text("execute_python_code_with_standard_io", "print(2 ** 10)")
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
