@@ -5,8 +5,8 @@ from prefect import flow
 from tasks.config import RunConfig, StageConfig
 from tasks.data.problems import Problem
 from tasks.report import end_run, start_stage_run
-from tasks.rl_update import (keep_unsolved, record_step, rollout_spec, sample_problems, select_batch,
-                             sync_weights, update_policy)
+from tasks.rl_update import (keep_unsolved, prepare_trainer, record_step, rollout_spec, sample_problems,
+                             select_batch, sync_weights, update_policy)
 from tasks.rollouts import roll_out, score, write_rollouts
 from tasks.runtime import RunContext, Runtime
 
@@ -29,7 +29,7 @@ def rl_step(cfg: RunConfig, ctx: RunContext, runtime: Runtime, stage: StageConfi
 def rl_stage(cfg: RunConfig, ctx: RunContext, runtime: Runtime, stage: StageConfig,
              problems: list[Problem], total_steps: int) -> int:
     stage_run = start_stage_run(ctx, stage.name, stage.model_dump(mode="json"))
-    runtime.policy_trainer(total_steps, stage.reset_optimizer)
+    prepare_trainer(runtime, total_steps, stage.reset_optimizer)
     if stage.hard_only:
         spec = rollout_spec(cfg, stage.max_turns, stage.max_response_tokens, cfg.rollout.temperature)
         attempts = roll_out(runtime, problems, stage.difficulty_attempts, spec, desc="difficulty filter")

@@ -83,6 +83,8 @@ def publish_summary(ctx: RunContext, rows: list[dict], wall_s: float) -> str:
     def cell(value) -> str:
         return f"{value:.3f}" if isinstance(value, float) else ("" if value is None else str(value))
 
+    rows = [{**row, "wall s": f"{row['wall s']:.0f}"} for row in rows]
+
     table = Table(title=f"rstar2-pipeline run {ctx.run_id} ({wall_s:.0f} s)")
     for column in SUMMARY_COLUMNS:
         table.add_column(column, justify="left" if column == "stage" else "right")

@@ -24,6 +24,12 @@ def rollout_spec(cfg: RunConfig, max_turns: int, max_response_tokens: int, tempe
 
 
 @task(cache_policy=NO_CACHE)
+def prepare_trainer(runtime: Runtime, total_steps: int, reset_optimizer: bool) -> None:
+    """The policy trainer for a stage: kept from the previous stage unless a reset is asked."""
+    runtime.policy_trainer(total_steps, reset_optimizer)
+
+
+@task(cache_policy=NO_CACHE)
 def sample_problems(problems: list[Problem], n: int, seed: int, stage: str, step: int) -> list[Problem]:
     """The step's problems: a draw that depends only on (seed, stage, step), so a rerun repeats it."""
     rng = random.Random(f"{seed}/{stage}/{step}")
