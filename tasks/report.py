@@ -83,16 +83,16 @@ def publish_summary(ctx: RunContext, rows: list[dict], wall_s: float) -> str:
     def cell(value) -> str:
         return f"{value:.3f}" if isinstance(value, float) else ("" if value is None else str(value))
 
-    rows = [{**row, "wall s": f"{row['wall s']:.0f}"} for row in rows]
+    shown = [{**row, "wall s": f"{row['wall s']:.0f}"} for row in rows]
 
     table = Table(title=f"rstar2-pipeline run {ctx.run_id} ({wall_s:.0f} s)")
     for column in SUMMARY_COLUMNS:
         table.add_column(column, justify="left" if column == "stage" else "right")
-    for row in rows:
+    for row in shown:
         table.add_row(*(cell(row.get(column)) for column in SUMMARY_COLUMNS))
     Console(width=120).print(table)
     markdown = "| " + " | ".join(SUMMARY_COLUMNS) + " |\n|" + "---|" * len(SUMMARY_COLUMNS) + "\n"
-    markdown += "".join("| " + " | ".join(cell(r.get(c)) for c in SUMMARY_COLUMNS) + " |\n" for r in rows)
+    markdown += "".join("| " + " | ".join(cell(r.get(c)) for c in SUMMARY_COLUMNS) + " |\n" for r in shown)
     markdown = f"# Run {ctx.run_id}\n\nwall time {wall_s:.0f} s, outputs in `{ctx.run_dir}`\n\n{markdown}"
     path = ctx.run_dir / "summary.md"
     path.write_text(markdown)

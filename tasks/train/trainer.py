@@ -36,8 +36,13 @@ def init_distributed() -> None:
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     import deepspeed
+    from deepspeed.utils import groups
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
+    if not torch.distributed.is_initialized():
+        # A vLLM engine shut down in this process destroys the default process group, which
+        # DeepSpeed still holds as its world and data-parallel groups: drop those references.
+        groups._release_process_group_references(None)
     deepspeed.init_distributed()
 
 
