@@ -5,8 +5,8 @@ from prefect import flow
 from tasks.config import RunConfig, StageConfig
 from tasks.data.problems import Problem
 from tasks.report import end_run, start_stage_run
-from tasks.rl_update import (keep_unsolved, prepare_trainer, record_step, rollout_spec, sample_problems,
-                             select_batch, sync_weights, update_policy)
+from tasks.rl_update import (checkpoint, keep_unsolved, prepare_trainer, record_step, rollout_spec,
+                             sample_problems, select_batch, sync_weights, update_policy)
 from tasks.rollouts import roll_out, score, write_rollouts
 from tasks.runtime import RunContext, Runtime
 
@@ -21,6 +21,7 @@ def rl_step(cfg: RunConfig, ctx: RunContext, runtime: Runtime, stage: StageConfi
     batch = select_batch(cfg, rollouts, stage.name, step)
     write_rollouts(ctx.run_id, ctx.run_dir, stage.name, step, rollouts, batch.kept, batch.advantages)
     update = update_policy(runtime, batch, cfg)
+    update |= checkpoint(runtime, ctx, stage.name, step, cfg.rl.checkpoint_keep)
     update |= sync_weights(runtime, batch)
     return record_step(ctx, stage_run, stage, step, rollouts, batch, update)
 

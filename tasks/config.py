@@ -128,6 +128,7 @@ class RLConfig(_Strict):
     loss: LossConfig = LossConfig()
     optim: OptimConfig = OptimConfig()
     stages: list[StageConfig]
+    checkpoint_keep: int = 2  # DeepSpeed checkpoints kept per stage (one is written every step)
 
     @property
     def rollouts_per_problem(self) -> int:

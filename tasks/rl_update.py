@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 import time
 
 from prefect import task
@@ -53,6 +54,18 @@ def update_policy(runtime: Runtime, batch: TrainingBatch, cfg: RunConfig) -> dic
     metrics = runtime.trainer.rl_step(batch.samples, cfg.rl.loss)
     metrics["time_update_s"] = time.perf_counter() - started
     return metrics
+
+
+@task(cache_policy=NO_CACHE)
+def checkpoint(runtime: Runtime, ctx: RunContext, stage: str, step: int, keep: int) -> dict:
+    """A DeepSpeed checkpoint of the step (weights, optimizer, schedule); older ones beyond
+    `keep` are removed, so a long run does not fill the disk."""
+    started = time.perf_counter()
+    directory = ctx.run_dir / "checkpoints" / stage
+    runtime.trainer.save_checkpoint(directory, tag=f"step-{step:05d}", client_state={"stage": stage, "step": step})
+    for old in sorted(directory.glob("step-*"))[:-keep]:
+        shutil.rmtree(old)
+    return {"time_checkpoint_s": time.perf_counter() - started}
 
 
 @task(cache_policy=NO_CACHE)

@@ -43,6 +43,9 @@ def test_summary_has_every_stage(run):
     for row in summary["stages"][1:]:
         assert 0.0 <= row["pass@1 after"] <= 1.0 and 0.0 <= row["tool-call rate"] <= 1.0
     assert summary["stages"][-1]["steps"] == 2
+    checkpoints = Path(result["run_dir"]) / "checkpoints" / "stage1"
+    assert (checkpoints / "latest").read_text() == "step-00001"
+    assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-00000", "step-00001"]
 
 
 def test_rollout_rows_are_queryable_and_consistent(run):

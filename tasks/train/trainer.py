@@ -130,6 +130,18 @@ class Trainer:
     def _logits(self, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         return self.engine(input_ids=ids, attention_mask=attention).logits[:, :-1].float()  # (B, T-1, V)
 
+    def _batch_tokens(self, batches) -> int:
+        """Kept response tokens in the whole batch, over all data-parallel ranks."""
+        tokens = torch.tensor(float(sum(b[2].sum().item() for b in batches)), device=self.device)
+        if self.engine.dp_world_size > 1:
+            torch.distributed.all_reduce(tokens)
+        return int(tokens.item())
+
+    def _loss_scale(self) -> int:
+        # DeepSpeed averages gradients over ranks; the token-mean is over the global batch, so
+        # each rank's share is scaled back up by the world size.
+        return self.engine.dp_world_size
+
     def _accumulate(self, n_micro: int) -> None:
         # One optimizer step per call: the step boundary falls after the last micro-batch.
         self.engine.set_train_batch_size(n_micro * self.optim.micro_batch_size * self.engine.dp_world_size)
@@ -153,20 +165,21 @@ class Trainer:
 
     def _sft_step(self, samples: list[Sample]) -> dict:
         batches = list(self._micro_batches(samples))
-        num_tokens = int(sum(b[2].sum().item() for b in batches))
+        num_tokens = self._batch_tokens(batches)
         self._accumulate(len(batches))
         self.engine.train()
         total = 0.0
         for ids, attention, target_mask, _ in batches:
             loss = sft_loss(self._logits(ids, attention), ids[:, 1:], target_mask, num_tokens=num_tokens)
-            self.engine.backward(loss, scale_wrt_gas=False)  # already normalised by batch tokens
+            # Already normalised by the batch's tokens: no further division by micro-batches.
+            self.engine.backward(loss * self._loss_scale(), scale_wrt_gas=False)
             self.engine.step()
             total += loss.item()
         return self._finish_step({"loss": total, "tokens": num_tokens})
 
     def _rl_step(self, samples: list[Sample], loss_cfg: LossConfig) -> dict:
         batches = list(self._micro_batches(samples))
-        num_tokens = int(sum(b[2].sum().item() for b in batches))
+        num_tokens = self._batch_tokens(batches)
         self._accumulate(len(batches))
         old_logps, entropy_sum = [], 0.0
         self.engine.eval()
@@ -183,7 +196,7 @@ class Trainer:
             logp = token_logprobs(self._logits(ids, attention), ids[:, 1:])
             loss, clip = ppo_clip_loss(logp, old_logp, advantages, target_mask, loss_cfg.eps_low,
                                        loss_cfg.eps_high, loss_cfg.dual_clip, num_tokens=num_tokens)
-            self.engine.backward(loss, scale_wrt_gas=False)
+            self.engine.backward(loss * self._loss_scale(), scale_wrt_gas=False)
             self.engine.step()
             metrics["loss"] += loss.item()
             share = target_mask.sum().item() / max(num_tokens, 1)
@@ -210,6 +223,17 @@ class Trainer:
             lengths = attention.sum(1) - 1
             out += [row[: int(n)].tolist() for row, n in zip(logp, lengths)]
         return out
+
+    def save_checkpoint(self, directory: Path, tag: str, client_state: dict | None = None) -> None:
+        """Everything to continue exactly: weights, optimizer, lr schedule, step counters."""
+        self.engine.save_checkpoint(str(directory), tag=tag, client_state=client_state or {})
+
+    def load_checkpoint(self, directory: Path, tag: str | None = None) -> dict:
+        """Restore a checkpoint (the latest when tag is None); returns its client state."""
+        path, client_state = self.engine.load_checkpoint(str(directory), tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint {tag or 'latest'} under {directory}")
+        return client_state or {}
 
     def save_pretrained(self, directory: Path) -> Path:
         self.engine.module.save_pretrained(directory)
