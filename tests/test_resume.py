@@ -55,7 +55,9 @@ def test_resume_after_sigkill_matches_uninterrupted(model_dir, tmp_path):
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     root = Path(__file__).resolve().parent.parent
-    killed = subprocess.run([sys.executable, "-c", script], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+    # A fresh single-process group: not this process's (its port is taken).
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    killed = subprocess.run([sys.executable, "-c", script], cwd=root, env={**env, "PYTHONPATH": str(root)},
                             capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
 
