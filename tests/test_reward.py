@@ -11,6 +11,7 @@ Run: OMP_NUM_THREADS=1 python -m pytest tests/test_reward.py -q
 
 import concurrent.futures
 import random
+import time
 
 import pytest
 
@@ -135,11 +136,13 @@ def test_verifier_works_off_the_main_thread(verifier):
 
 
 def test_timeout_scores_zero_and_the_worker_recovers(verifier):
-    # A pair no other test checks: math-verify caches results, and a cached answer can come
-    # back within even this timeout.
-    verifier.timeout_s = 1e-4  # far less than one uncached comparison in the worker
+    # 9^(9^9) has ~370 million digits: sympy evaluates it eagerly inside one C call, so the
+    # worker is stuck far past the timeout (a tiny timeout instead raced a fast worker).
+    verifier.timeout_s = 0.5
     try:
-        assert verifier.check("\\frac{13}{17}", "13/17") is False
+        started = time.monotonic()
+        assert verifier.check("9^{9^{9}}", "7") is False
+        assert time.monotonic() - started < 10
     finally:
         verifier.timeout_s = 20.0
     assert verifier.check("\\frac{13}{17}", "13/17") is True  # a fresh worker took over

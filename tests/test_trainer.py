@@ -4,7 +4,10 @@ micro-batches, and a policy-gradient step moves log-probs in the advantage's dir
 Run: .venv/bin/python -m pytest tests/test_trainer.py -q   (about 30 s)
 """
 
+import math
+
 import pytest
+import torch
 
 from tasks.config import LossConfig, OptimConfig, TinyModelConfig
 from tasks.data.problems import generate_problems
@@ -47,3 +50,17 @@ def test_lr_schedule_warms_up_from_the_first_step():
     values = [lr_multiplier(step, optim, total_steps=13) for step in range(14)]
     assert values[:3] == [0.25, 0.5, 0.75] and values[3] == 1.0
     assert values[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(values[3:], values[4:]))
+
+
+@pytest.mark.parametrize("zero_stage, dtype", [(3, "float32"), (1, "bfloat16")])
+def test_zero3_and_bf16_update_and_export_full_weights(trainer, zero_stage, dtype, tmp_path):
+    model_dir = tmp_path / "start"
+    trainer.save_pretrained(model_dir)
+    other = Trainer(model_dir, OptimConfig(lr=1e-2, warmup_steps=0, zero_stage=zero_stage, micro_batch_size=2),
+                    total_steps=3, dtype=dtype)
+    before = {name: tensor.float().clone() for name, tensor in other.named_weights()}
+    metrics = other.rl_step(_samples([1.0, -1.0, 1.0]), LossConfig())
+    after = dict(other.named_weights())
+    assert math.isfinite(metrics["loss"]) and after.keys() == before.keys()
+    assert all(after[name].shape == before[name].shape for name in before)  # gathered, not partitioned
+    assert any(not torch.equal(after[name].float(), before[name]) for name in before)

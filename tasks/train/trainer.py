@@ -209,9 +209,17 @@ class Trainer:
     # -- weights and checkpoints ----------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full weights under their Hugging Face names (ZeRO 0-2 keep full weights on every rank)."""
-        for name, tensor in self.engine.module.state_dict().items():
-            yield name, tensor.detach()
+        """Full weights under their Hugging Face names. ZeRO 0-2 keep full weights on every rank;
+        ZeRO-3 partitions them, so they are gathered (and copied) first."""
+        if self.optim.zero_stage < 3:
+            for name, tensor in self.engine.module.state_dict().items():
+                yield name, tensor.detach()
+            return
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None):
+            gathered = {name: tensor.detach().clone() for name, tensor in self.engine.module.state_dict().items()}
+        yield from gathered.items()
 
     @torch.no_grad()
     def token_logprobs(self, samples: list[Sample]) -> list[list[float]]:
@@ -236,5 +244,6 @@ class Trainer:
         return client_state or {}
 
     def save_pretrained(self, directory: Path) -> Path:
-        self.engine.module.save_pretrained(directory)
+        """A Hugging Face directory of the current weights (consolidated under ZeRO-3)."""
+        self.engine.module.save_pretrained(directory, state_dict=dict(self.named_weights()))
         return directory
