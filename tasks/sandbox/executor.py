@@ -402,6 +402,11 @@ class TemplatePool:
             "OPENBLAS_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",
             "PYTHONDONTWRITEBYTECODE": "1",
+            # Objects in glibc's heap, and that heap in transparent huge pages: forking the
+            # template then copies one page-table entry per 2 MiB instead of per 4 KiB, which
+            # halves the cost of a fork (measured: 4.2 -> 2.1 ms CPU per fork + exit).
+            "PYTHONMALLOC": "malloc",
+            "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
         }
         try:
             self.process = subprocess.Popen(

@@ -7,29 +7,32 @@ status pipes. The template never answers a request; everything the server needs 
 status pipe, which the server reads alongside the output:
 
     template T --fork--> warden W: setsid(); unshare(net, pid, mount namespaces where allowed);
-                         writes b"P" + its pid (the process group the server kills on timeout)
-    W --fork--> init U:  pid 1 of the new pid namespace (when there is one); remounts /proc,
-                         reaps, and writes b"S" + the program's wait status when it ends. When U
-                         exits, the kernel kills every process left in the namespace, including
-                         ones that escaped the process group with setsid().
-    U --fork--> program X: fd 0/1/2 from the call, every other descriptor closed, private cwd,
-                         scrubbed environment, rlimits, fresh random seeds; runs the code with the
-                         final bare expression echoed, as a fresh interpreter would.
+                         writes b"P" + its pid (the process group the server kills on timeout);
+                         spawns `sleep` as the pid namespace's init (pid 1, exec'd: cheap);
+    W --fork--> program X: pid 2 of the namespace; mounts its own /proc; fd 0/1/2 from the call,
+                         every other descriptor closed, private cwd, scrubbed environment,
+                         rlimits, fresh random seeds; runs the code with the final bare
+                         expression echoed, as a fresh interpreter would.
+    W waits for X, writes b"S" + X's wait status, and kills the init: the kernel then kills every
+    process left in the namespace, including ones that escaped the group with setsid(). The
+    server's group kill on a timeout reaches W and the init (same group), with the same effect.
 
 X is never pid 1: the kernel shields a namespace's init from its own signals, which would turn
 `os.kill(os.getpid(), SIGSEGV)` into a no-op. X cannot see W, T or the server (other pid
-namespace), so `os.kill(os.getppid(), 9)` reaches only U, which the kernel protects.
+namespace): its getppid() is 0, and the init it can see ignores its signals.
 
 The first message the template sends is a JSON report of what isolation the kernel allowed;
 the server logs it.
 """
 
 import ctypes
+import gc
 import json
 import os
 import random
 import resource
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -177,6 +180,13 @@ def _execute(source: str) -> int:
     return 0
 
 
+def _reseed_numpy() -> None:
+    # Every call is a fork of the same template: without this, they all draw the same numbers.
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(np.frombuffer(os.urandom(32), dtype=np.uint32))
+
+
 def _vm_size() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[0]) * resource.getpagesize()
@@ -226,9 +236,7 @@ def _program(req: dict, fds: list[int], drop_to: int | None) -> None:
         sys.argv = [""]
         sys.path = [p for p in sys.path if p not in ("", os.getcwd(), req["package_root"])]
         random.seed()
-        np = sys.modules.get("numpy")
-        if np is not None:
-            np.random.seed()
+        _reseed_numpy()
         code_rc = _execute(source)
     except BaseException:
         try:
@@ -244,35 +252,10 @@ def _program(req: dict, fds: list[int], drop_to: int | None) -> None:
     os._exit(code_rc)
 
 
-def _init(req: dict, fds: list[int], caps: dict, drop_to: int | None) -> None:
-    """In U: fork the program, reap everything, report the program's wait status. Never returns."""
-    status_w = fds[2]
-    try:
-        if caps["mountns"]:
-            # Our own /proc: the program sees only its namespace's processes.
-            _mount(None, b"/", None, MS_REC | MS_PRIVATE)
-            _mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-        pid = os.fork()
-        if pid == 0:
-            _program(req, fds, drop_to)
-        for fd in fds[:2]:
-            os.close(fd)
-        while True:
-            try:
-                done, status = os.waitpid(-1, 0)
-            except ChildProcessError:
-                os._exit(0)
-            except InterruptedError:
-                continue
-            if done == pid:
-                os.write(status_w, b"S" + struct.pack("<i", status))
-                os._exit(0)
-    except BaseException:
-        os._exit(1)
-
-
 def _warden(req: dict, fds: list[int], caps: dict, drop_to: int | None) -> None:
-    """In W: new session and namespaces, report the pgid, fork U, wait. Never returns."""
+    """In W: new session and namespaces, report the pgid, start the namespace's init, fork the
+    program, report its wait status, end the namespace. Never returns."""
+    status_w = fds[2]
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.setsid()
@@ -281,13 +264,34 @@ def _warden(req: dict, fds: list[int], caps: dict, drop_to: int | None) -> None:
             flags |= CLONE_NEWNS
         if flags:
             _unshare(flags)
-        os.write(fds[2], b"P" + struct.pack("<q", os.getpid()))
+        os.write(status_w, b"P" + struct.pack("<q", os.getpid()))
+        init = None
+        if caps["pidns"]:
+            # The first process in a pid namespace is its init: a tiny exec'd `sleep` (cheap to
+            # start, unlike a fork of this big process). It outlives the program; killing it
+            # makes the kernel kill everything left in the namespace.
+            init = os.posix_spawn(caps["init"], [caps["init"], "100000"], {}, setsigdef=(
+                signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD))  # fmt: skip
         pid = os.fork()
         if pid == 0:
-            _init(req, fds, caps, drop_to)
-        for fd in fds:
+            if caps["mountns"]:
+                # Our own /proc: the program sees only its namespace's processes. Private
+                # propagation first, so the mount never leaks back to the host.
+                _mount(None, b"/", None, MS_REC | MS_PRIVATE)
+                _mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            _program(req, fds, drop_to)
+        for fd in fds[:2]:
             os.close(fd)
-        os.waitpid(pid, 0)
+        while True:
+            try:
+                _, status = os.waitpid(pid, 0)
+                break
+            except InterruptedError:
+                continue
+        os.write(status_w, b"S" + struct.pack("<i", status))
+        if init is not None:
+            os.kill(init, signal.SIGKILL)
+            os.waitpid(init, 0)
     finally:
         os._exit(0)
 
@@ -298,12 +302,19 @@ def serve(sock: socket.socket, workers: int, processes: int) -> None:
             __import__(name)
         except ImportError:
             pass
+    _reseed_numpy()  # the first seeding is slow (lazy set-up); pay it once, here
+    # Park every object loaded so far outside the collector: a collection in a call would
+    # otherwise walk (and so copy-on-write fault) every page of sympy's objects.
+    gc.collect()
+    gc.freeze()
     caps = {
         "netns": _probe(CLONE_NEWNET),
         "pidns": _probe(CLONE_NEWPID),
         "mountns": _probe(CLONE_NEWPID | CLONE_NEWNS),
         "root": os.geteuid() == 0,
     }
+    caps["init"] = shutil.which("sleep")
+    caps["pidns"] = caps["pidns"] and caps["init"] is not None
     caps["mountns"] = caps["mountns"] and caps["pidns"]
     drop_to = None
     if caps["root"]:
