@@ -302,6 +302,7 @@ class _PipeCall:
         self.status_r = status_r
         self.status_buf = bytearray()
         self.pgid: int | None = None
+        self.error: str | None = None  # the template could not start the call
         self.wait_status: int | None = None
         self.started = asyncio.Event()  # the warden reported its pid (or died first)
         self.stopped = asyncio.Event()  # the program ended, overflowed, or the status pipe closed
@@ -352,6 +353,11 @@ class _PipeCall:
                 (self.pgid,) = struct.unpack("<q", bytes(buf[1:9]))
                 del buf[:9]
                 self.started.set()
+            elif buf[:1] == b"E":
+                self.error = bytes(buf[1:]).decode("utf-8", errors="replace")
+                del buf[:]
+                self.started.set()
+                self.stopped.set()
             elif buf[:1] == b"S" and len(buf) >= 5:
                 (self.wait_status,) = struct.unpack("<i", bytes(buf[1:5]))
                 del buf[:5]
@@ -476,7 +482,13 @@ class TemplatePool:
             process.wait()
         cgroup = self.report.get("pids_cgroup")
         if cgroup:
-            for _ in range(50):  # the group empties once the last call's processes are gone
+            for _ in range(50):
+                for entry in os.scandir(cgroup) if os.path.isdir(cgroup) else ():
+                    if entry.is_dir():
+                        try:
+                            os.rmdir(entry.path)
+                        except OSError:
+                            pass  # the group empties once the last call's processes are gone
                 try:
                     os.rmdir(cgroup)
                     break
@@ -585,7 +597,7 @@ class TemplatePool:
                 if call.pgid is not None:
                     # As in run_python: always kill the group (and with its init, the namespace).
                     _kill_group(call.pgid)
-            if call.pgid is None and not timed_out:
+            if call.pgid is None and not timed_out and call.error is None:
                 return None  # no warden ever reported: the template failed us
             try:
                 await asyncio.wait_for(call.closed.wait(), _DRAIN_GRACE_S)
@@ -594,7 +606,8 @@ class TemplatePool:
         finally:
             call.close_all()
         if call.pgid is None:
-            return ToolResult(ToolStatus.INTERNAL, stderr="sandbox template did not start the call")
+            why = call.error or "no answer"
+            return ToolResult(ToolStatus.INTERNAL, stderr=f"sandbox could not start the call: {why}")
         returncode = (
             os.waitstatus_to_exitcode(call.wait_status) if call.wait_status is not None else None
         )

@@ -49,7 +49,8 @@ CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
-MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND = 32, 4096
 
 EXIT_MEMORY = 86  # kept equal to executor._EXIT_MEMORY
 NOBODY = 65534
@@ -192,6 +193,44 @@ def _vm_size() -> int:
         return int(f.read().split()[0]) * resource.getpagesize()
 
 
+def _lock_down_mounts(home: str) -> None:
+    """In X, inside its own mount namespace: a private /proc, and every mount read-only except
+    the call's working directory, so that even a program running as root cannot write outside
+    it (it has no capabilities left to remount)."""
+    # Private propagation first, so that nothing done here leaks back to the host.
+    _mount(None, b"/", None, MS_REC | MS_PRIVATE)
+    _mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _mount(b"/proc/sys", b"/proc/sys", None, MS_BIND | MS_REC)
+    _mount(b"/proc/sysrq-trigger", b"/proc/sysrq-trigger", None, MS_BIND)
+    home_b = os.fsencode(home)
+    _mount(home_b, home_b, None, MS_BIND)
+    with open("/proc/self/mountinfo", "rb") as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        parts = line.split()
+        target = parts[4].replace(b"\\040", b" ").replace(b"\\011", b"\t")
+        if target == home_b or target == b"/proc":
+            continue
+        options = set(parts[5].split(b","))
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        for name, bit in ((b"nosuid", MS_NOSUID), (b"nodev", MS_NODEV), (b"noexec", MS_NOEXEC)):
+            if name in options:
+                flags |= bit
+        _mount(None, target, None, flags)
+
+
+def _drop_capabilities() -> None:
+    """Root without capabilities: no remounting, no new namespaces, no raw sockets, no ptrace of
+    strangers; files are still checked against uid 0's own permission bits (hence the read-only
+    mounts). Also for any program it execs (empty bounding set, no_new_privs)."""
+    _libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+    for cap in range(64):
+        _libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP; EINVAL past the last cap is fine
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable x 2 words: all zero
+    _libc.capset(header, data)
+
+
 def _program(req: dict, fds: list[int], drop_to: int | None) -> None:
     """In X: isolate, run, exit. Never returns."""
     code_rc = 1
@@ -199,6 +238,9 @@ def _program(req: dict, fds: list[int], drop_to: int | None) -> None:
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as in a fresh interpreter
+        # Our own process group: `os.kill(0, 9)` or `os.killpg(0, 9)` must not reach the warden.
+        # The server's kill of the warden's group still ends us: it takes the namespace's init.
+        os.setpgid(0, 0)
         out_w, err_w = fds[0], fds[1]
         stdin_fd = os.open(req["stdin_path"], os.O_RDONLY)
         os.dup2(stdin_fd, 0)
@@ -215,6 +257,8 @@ def _program(req: dict, fds: list[int], drop_to: int | None) -> None:
             os.setgroups([])
             os.setgid(drop_to)
             os.setuid(drop_to)
+        if os.geteuid() == 0:
+            _drop_capabilities()
         lim = req["limits"]
         base = _vm_size()
         for which, soft, hard in (
@@ -265,6 +309,19 @@ def _warden(req: dict, fds: list[int], caps: dict, drop_to: int | None) -> None:
         if flags:
             _unshare(flags)
         os.write(status_w, b"P" + struct.pack("<q", os.getpid()))
+        cgroup = caps.get("pids_cgroup")
+        mine = None
+        if cgroup:
+            # A cap per call, so that one call's fork bomb cannot starve the others.
+            mine = os.path.join(cgroup, f"call-{os.getpid()}")
+            try:
+                os.mkdir(mine)
+                _write(os.path.join(mine, "pids.max"), str(req["limits"]["processes"] + 3))
+                _write(os.path.join(mine, "cgroup.procs"), str(os.getpid()))
+            except OSError:
+                mine = None
+        for fd in fds:
+            os.set_inheritable(fd, False)  # the init must hold none of the call's pipes
         init = None
         if caps["pidns"]:
             # The first process in a pid namespace is its init: a tiny exec'd `sleep` (cheap to
@@ -275,10 +332,7 @@ def _warden(req: dict, fds: list[int], caps: dict, drop_to: int | None) -> None:
         pid = os.fork()
         if pid == 0:
             if caps["mountns"]:
-                # Our own /proc: the program sees only its namespace's processes. Private
-                # propagation first, so the mount never leaks back to the host.
-                _mount(None, b"/", None, MS_REC | MS_PRIVATE)
-                _mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+                _lock_down_mounts(req["home"])
             _program(req, fds, drop_to)
         for fd in fds[:2]:
             os.close(fd)
@@ -291,9 +345,17 @@ def _warden(req: dict, fds: list[int], caps: dict, drop_to: int | None) -> None:
         os.write(status_w, b"S" + struct.pack("<i", status))
         if init is not None:
             os.kill(init, signal.SIGKILL)
-            os.waitpid(init, 0)
+            os.waitpid(init, 0)  # returns once the kernel has emptied the namespace
+        if mine is not None:
+            _write(os.path.join(cgroup, "cgroup.procs"), str(os.getpid()))
+            os.rmdir(mine)
     finally:
         os._exit(0)
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def serve(sock: socket.socket, workers: int, processes: int) -> None:
@@ -323,17 +385,31 @@ def serve(sock: socket.socket, workers: int, processes: int) -> None:
         caps["drop_privileges_blocked_by"] = bad
         drop_to = NOBODY if ok else None
         # Each call holds W, U and X plus what the program starts; root ignores RLIMIT_NPROC.
-        caps["pids_cgroup"] = _join_pids_cgroup(1 + workers * (3 + processes))
+        # Per call: W, init, X and `processes` more; twice over for calls still being torn down.
+        caps["pids_cgroup"] = _join_pids_cgroup(16 + 2 * workers * (3 + processes))
     sock.send(json.dumps({"ready": True, "pid": os.getpid(), **caps}).encode())
+
+    cgroup = caps.get("pids_cgroup")
+    stale: set[str] = set()  # per-call cgroups whose warden died before removing them
 
     def reap() -> None:
         while True:
             try:
                 pid, _ = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
-                return
+                break
             if pid == 0:
-                return
+                break
+            if cgroup:
+                stale.add(os.path.join(cgroup, f"call-{pid}"))
+        for path in list(stale):
+            try:
+                os.rmdir(path)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue  # still has processes being killed; next round
+            stale.discard(path)
 
     while True:
         ready, _, _ = select.select([sock], [], [], 1.0)
@@ -354,7 +430,13 @@ def serve(sock: socket.socket, workers: int, processes: int) -> None:
             if pid == 0:
                 sock.close()
                 _warden(req, fds, caps, drop_to)
-        except Exception:
+        except Exception as exc:
+            # Tell the server at once (e.g. the fork hit the process cap) instead of letting it
+            # mistake this for a dead template.
+            try:
+                os.write(fds[2], b"E" + f"{type(exc).__name__}: {exc}".encode()[:200])
+            except (OSError, IndexError):
+                pass
             traceback.print_exc()
         finally:
             for fd in fds:
