@@ -560,6 +560,9 @@ class TemplatePool:
                 if result is not None:
                     return result
                 # The template died before forking this call: restart it and try once more.
+                if self.process is not None:
+                    self.log(f"sandbox template died (exit {self.process.poll()}); restarting it")
+                    self.restarts += 1
                 self._kill_template()
                 if not await self._ensure():
                     return await run_python(code, stdin, limits, self.python)
