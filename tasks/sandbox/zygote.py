@@ -181,6 +181,30 @@ def _execute(source: str) -> int:
     return 0
 
 
+def _warm_up() -> None:
+    """Run the common math once: sympy and numpy load submodules and build tables lazily on
+    first use (the first `factor` in a process costs ~100 ms), and every call would pay again."""
+    try:
+        import numpy as np
+        import sympy
+
+        x, y = sympy.symbols("x y")
+        sympy.factor(x**6 - y**6 + 2 * x**3 - 2 * y**3)
+        sympy.expand((x + y) ** 5)
+        sympy.simplify(sympy.sin(x) ** 2 + sympy.cos(x) ** 2)
+        sympy.solve([x**2 - 2 * y, x + y - 1], [x, y])
+        sympy.integrate(x * sympy.exp(x), x)
+        sympy.limit(sympy.sin(x) / x, x, 0)
+        sympy.series(sympy.exp(x), x, 0, 4)
+        sympy.Matrix([[1, 2], [3, 4]]).inv()
+        sympy.factorint(2**32 + 1), sympy.isprime(97), sympy.nsimplify(0.75), sympy.sqrt(8)
+        sympy.N(sympy.pi, 30), sympy.binomial(10, 3), sympy.Rational(1, 3) + 1
+        str(x**2 / 3), sympy.latex(x**2)
+        np.linalg.solve(np.eye(3), np.ones(3)), np.fft.fft(np.ones(8)), np.random.rand(3)
+    except Exception:
+        traceback.print_exc()
+
+
 def _reseed_numpy() -> None:
     # Every call is a fork of the same template: without this, they all draw the same numbers.
     np = sys.modules.get("numpy")
@@ -364,6 +388,7 @@ def serve(sock: socket.socket, workers: int, processes: int) -> None:
             __import__(name)
         except ImportError:
             pass
+    _warm_up()
     _reseed_numpy()  # the first seeding is slow (lazy set-up); pay it once, here
     # Park every object loaded so far outside the collector: a collection in a call would
     # otherwise walk (and so copy-on-write fault) every page of sympy's objects.
