@@ -40,7 +40,10 @@ CASES = {
         "import sympy\nx, y = sympy.symbols('x y')\n"
         "print(sympy.factor(x**6 - y**6 + 2*x**3 - 2*y**3))",
     ),
-    "c": ("1 s CPU loop", "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0:\n    pass"),
+    "c": (
+        "1 s CPU loop",
+        "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0:\n    pass",
+    ),
 }
 
 # Requests per (case, in-flight level) at --scale 1; at least the level itself so that the
@@ -80,7 +83,9 @@ async def run_sandbox(url: str, case: str, n: int, in_flight: int) -> dict:
                 latencies.append(time.perf_counter() - started)
             answers[i] = answers.get(i, 0) + 1
             if result.status != ToolStatus.OK or not result.stdout.endswith(expected_tail(i)):
-                bad.append(f"#{i}: {result.status.value} {result.stdout[-40:]!r} {result.stderr[-200:]!r}")
+                bad.append(
+                    f"#{i}: {result.status.value} {result.stdout[-40:]!r} {result.stderr[-200:]!r}"
+                )
 
         started = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(n)))
@@ -136,10 +141,10 @@ def main() -> None:
     parser.add_argument("--in-flight", default="1,64,1000", help="comma-separated levels")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the request counts")
     parser.add_argument("--requests", type=int, default=None,
-                        help="sandbox requests per (case, level), overriding the defaults")  # fmt: skip
+                        help="sandbox requests per (case, level), overriding defaults")  # fmt: skip
     parser.add_argument("--baseline-requests", type=int, default=None)
     parser.add_argument("--baseline-max-in-flight", type=int, default=256,
-                        help="cap on simultaneous fresh interpreters in the baseline (memory)")  # fmt: skip
+                        help="most fresh interpreters at once in the baseline")  # fmt: skip
     parser.add_argument("--workers", type=int, default=4, help="sandbox programs running at once")
     parser.add_argument("--no-baseline", action="store_true")
     args = parser.parse_args()
@@ -196,7 +201,8 @@ def print_row(row: dict, flush: bool = False) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = (f"{'case':<14} {'in flight':>9} | {'n':>5} {'@':>4} {'req/s':>8} {'p50 s':>7} {'p99 s':>7} | "
+    header = (f"{'case':<14} {'in flight':>9} | {'n':>5} {'@':>4} {'req/s':>8} {'p50 s':>7} "
+              f"{'p99 s':>7} | "
               f"{'base n':>6} {'@':>4} {'req/s':>7} {'p50 s':>7} {'p99 s':>7} | {'x thr':>6} "
               f"{'answered once':>13}")  # fmt: skip
     print("in flight: requested level; @: real level (fewer requests than the level caps it);")

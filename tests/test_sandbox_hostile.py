@@ -255,7 +255,8 @@ def test_timed_out_background_processes_are_gone(service: SandboxService) -> Non
 
 
 def test_temp_dirs_are_removed_even_after_a_timeout(service: SandboxService) -> None:
-    code = "import os, time\nprint(os.getcwd(), flush=True)\nopen('x', 'w').write('1')\ntime.sleep(100)"
+    code = "import os, time\nprint(os.getcwd(), flush=True)\nopen('x', 'w').write('1')\n"
+    code += "time.sleep(100)"
     result = execute(service.url, code)
     assert result.status == S.TIMEOUT
     cwd = Path(result.stdout.strip())

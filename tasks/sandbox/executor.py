@@ -1,18 +1,30 @@
 """Run one piece of model-written Python as a fresh, resource-limited program.
 
-Each call gets its own interpreter (`python -I`), a private temporary directory as cwd and HOME
-(removed afterwards), a scrubbed environment, rlimits (CPU, address space, file size, open files,
-and processes when not root), its own session so that a wall-clock timeout can SIGKILL the whole
-process group, and a byte budget on stdout + stderr. A small runner script parses the code with
-`ast`, executes it, and echoes the value of a final bare expression as IPython does.
+Two paths with one contract (a `ToolResult` with a structured status):
 
-What is not covered (use a container or a VM for untrusted users):
-- no network isolation and no filesystem isolation beyond the working directory: the code runs with
-  the server's uid and can read what that uid can read;
-- a child that calls `os.setsid()` leaves the process group and survives the group kill; the CPU
-  rlimit (inherited) bounds its CPU time, nothing bounds its sleeping;
-- RLIMIT_NPROC counts every process and thread of the uid, so it is skipped when running as root;
-- disk use is bounded per file (RLIMIT_FSIZE), not in total.
+- `TemplatePool.run` (what the server uses): each call is forked from a warm template process
+  that has numpy and sympy imported and warmed up (tasks/sandbox/zygote.py). Per call: its own
+  session, network namespace (no network at all), pid namespace (everything the program started,
+  setsid() escapes included, dies with the call), mount namespace (private /proc showing only the
+  call's processes; every mount read-only except the call's working dir), a pids cgroup capped
+  at `Limits.processes` + 3, no capabilities when running as root, uid nobody when running as
+  root and nobody can read the interpreter, rlimits, a scrubbed environment, no inherited
+  descriptors, and a private temp dir removed afterwards. What the kernel refuses is logged once
+  at start-up. A dead template is restarted; if it cannot be, calls fall back to `run_python`.
+- `run_python`: a fresh interpreter per call (`python -I`), rlimits, its own session, a private
+  temp dir, a scrubbed environment. Slower, and it has none of the namespaces: the program shares
+  the server's network and filesystem view and uid, and a setsid() child can outlive its call.
+
+Common to both: a runner parses the code with `ast`, executes it, and echoes the value of a final
+bare expression as IPython does; stdout + stderr share a byte budget past which the program is
+killed and the output marked truncated; a wall-clock timeout SIGKILLs the whole process group.
+
+Still not covered (use a VM for hostile users): when the server runs as root and uid nobody
+cannot read the interpreter, programs run as uid 0 without capabilities, so they can read files
+that root owns and that are readable by their owner (e.g. /etc/shadow), though they cannot write
+anywhere but their temp dir; disk use is bounded per file (RLIMIT_FSIZE), not in total. In the
+template path RLIMIT_AS counts on top of the template's own mappings (numpy and sympy are already
+mapped; the program gets `memory_mb` more).
 """
 
 import asyncio
@@ -446,8 +458,9 @@ class TemplatePool:
         self.log(f"sandbox template pid {r.get('pid')} ready (numpy, sympy pre-loaded)")
         self.log(
             "sandbox isolation: network "
-            + ("OFF (own network namespace per call)" if r.get("netns") else
-               "NOT ISOLATED: the kernel refused unshare(CLONE_NEWNET); programs can reach the network")  # fmt: skip
+            + ("none for programs (own empty network namespace per call)" if r.get("netns") else
+               "NOT ISOLATED: the kernel refused unshare(CLONE_NEWNET); "
+               "programs can reach the network")  # fmt: skip
         )
         self.log(
             "sandbox isolation: pid namespace "
@@ -462,7 +475,9 @@ class TemplatePool:
                 self.log(
                     "sandbox isolation: running as root and NOT dropping privileges: uid nobody "
                     f"cannot read the interpreter's files ({r.get('drop_privileges_blocked_by')}); "
-                    "programs run as root (install the venv where nobody can read it to fix)"
+                    "programs run as uid 0 without capabilities, on read-only mounts (they can "
+                    "still read what root's owner bits allow); make the interpreter readable by "
+                    "nobody to fix"
                 )
             self.log(
                 f"sandbox isolation: pids cgroup {r.get('pids_cgroup')}"
@@ -552,8 +567,10 @@ class TemplatePool:
                 "stdin_path": stdin_path,
                 "env": _environment(home),
                 "package_root": _PACKAGE_ROOT,
-                "limits": {f: getattr(limits, f) for f in
-                           ("cpu_s", "memory_mb", "file_size_mb", "open_files", "processes")},  # fmt: skip
+                "limits": {
+                    f: getattr(limits, f)
+                    for f in ("cpu_s", "memory_mb", "file_size_mb", "open_files", "processes")
+                },
             }
             for attempt in range(2):
                 result = await self._run_forked(request, limits)
@@ -610,7 +627,8 @@ class TemplatePool:
             call.close_all()
         if call.pgid is None:
             why = call.error or "no answer"
-            return ToolResult(ToolStatus.INTERNAL, stderr=f"sandbox could not start the call: {why}")
+            why = f"sandbox could not start the call: {why}"
+            return ToolResult(ToolStatus.INTERNAL, stderr=why)
         returncode = (
             os.waitstatus_to_exitcode(call.wait_status) if call.wait_status is not None else None
         )

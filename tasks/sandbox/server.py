@@ -9,6 +9,10 @@ At most `workers` programs run at once; at most `max_queue` more calls wait for 
 the server answers 503 {"error": "busy"} at once, so an overloaded sandbox pushes back on its
 callers instead of growing an unbounded queue (the client retries 503 with a backoff).
 
+Calls are forked from a warm template process (numpy, sympy pre-loaded; see executor.py and
+zygote.py); `--spawn` starts a fresh interpreter per call instead. The isolation the kernel
+allowed is logged at start-up, one line per layer.
+
     python -m tasks.sandbox.server serve --port 8123 --workers 4
 """
 

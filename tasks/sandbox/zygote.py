@@ -42,7 +42,8 @@ import types
 
 # Loaded once here, shared copy-on-write by every call.
 PRELOAD = ("math", "itertools", "fractions", "functools", "collections", "decimal", "re",
-           "statistics", "json", "string", "heapq", "bisect", "random", "cmath", "numpy", "sympy")  # fmt: skip
+           "statistics", "json", "string", "heapq", "bisect", "random", "cmath",
+           "numpy", "sympy")  # fmt: skip
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
@@ -285,13 +286,14 @@ def _program(req: dict, fds: list[int], drop_to: int | None) -> None:
             _drop_capabilities()
         lim = req["limits"]
         base = _vm_size()
+        nproc = ((resource.RLIMIT_NPROC, lim["processes"], lim["processes"]),)
         for which, soft, hard in (
             (resource.RLIMIT_CPU, lim["cpu_s"], lim["cpu_s"] + 1),
             # On top of the pre-loaded template: numpy and sympy are already mapped.
             (resource.RLIMIT_AS, base + (lim["memory_mb"] << 20), base + (lim["memory_mb"] << 20)),
             (resource.RLIMIT_FSIZE, lim["file_size_mb"] << 20, lim["file_size_mb"] << 20),
             (resource.RLIMIT_NOFILE, lim["open_files"], lim["open_files"]),
-        ) + (((resource.RLIMIT_NPROC, lim["processes"], lim["processes"]),) if os.geteuid() else ()):
+        ) + (nproc if os.geteuid() else ()):
             _, held = resource.getrlimit(which)
             if held != resource.RLIM_INFINITY:
                 soft, hard = min(soft, held), min(hard, held)
