@@ -160,6 +160,13 @@ HOSTILE: list[tuple[str, str, str, set[ToolStatus], object]] = [
      lambda r: not Path(f"/tmp/{MARK}-file").exists()),
     ("write_project_dir", f"open('{PROJECT_ROOT}/{MARK}-file', 'w').write('x')", "", {S.ERROR},
      lambda r: not (PROJECT_ROOT / f"{MARK}-file").exists()),
+    ("write_dev_shm_stays_private",
+     f"open('/dev/shm/{MARK}', 'w').write('x')\nprint('ok')", "", {S.OK},
+     lambda r: not Path(f"/dev/shm/{MARK}").exists()),
+    ("multiprocessing_pool_works",
+     "import multiprocessing as mp\ndef sq(x):\n    return x * x\n"
+     "with mp.Pool(2) as pool:\n    print(pool.map(sq, range(5)))", "", {S.OK},
+     lambda r: r.stdout == "[0, 1, 4, 9, 16]\n"),
     ("write_sysctl", "open('/proc/sys/kernel/hostname', 'w').write('pwned')", "", {S.ERROR},
      None),
     ("remount_root_rw",

@@ -63,8 +63,10 @@ def _unshare(flags: int) -> bool:
     return _libc.unshare(ctypes.c_int(flags)) == 0
 
 
-def _mount(source: bytes | None, target: bytes, fstype: bytes | None, flags: int) -> bool:
-    return _libc.mount(source, target, fstype, ctypes.c_ulong(flags), None) == 0
+def _mount(
+    source: bytes | None, target: bytes, fstype: bytes | None, flags: int, data: bytes | None = None
+) -> bool:
+    return _libc.mount(source, target, fstype, ctypes.c_ulong(flags), data) == 0
 
 
 def _probe(flags: int) -> bool:
@@ -242,6 +244,11 @@ def _lock_down_mounts(home: str) -> None:
             if name in options:
                 flags |= bit
         _mount(None, target, None, flags)
+    if os.path.isdir("/dev/shm"):
+        # multiprocessing's locks and queues need a writable /dev/shm: a small private one,
+        # gone with the namespace.
+        _mount(b"tmpfs", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV,
+               b"size=64m,nr_inodes=4096,mode=1777")  # fmt: skip
 
 
 def _drop_capabilities() -> None:
