@@ -317,3 +317,23 @@ def test_nothing_is_left_in_the_template_cgroup(service: SandboxService) -> None
             break
         time.sleep(0.2)
     assert calls == [] and procs == [str(template["pid"])]
+
+
+def test_pool_falls_back_to_fresh_interpreters_when_the_template_cannot_start() -> None:
+    from tasks.sandbox.executor import TemplatePool
+
+    lines: list[str] = []
+    pool = TemplatePool(LIMITS, workers=1, log=lines.append)
+
+    def broken() -> None:
+        raise RuntimeError("sandbox template did not start: test")
+
+    pool._spawn_template = broken  # type: ignore[method-assign]
+
+    async def go() -> ToolResult:
+        return await pool.run("x = 20\nx + 22", "")
+
+    result = asyncio.run(go())
+    pool.close()
+    assert (result.status, result.stdout) == (S.OK, "42\n")
+    assert any("falling back" in line for line in lines)
