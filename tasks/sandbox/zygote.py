@@ -263,7 +263,7 @@ def _drop_capabilities() -> None:
     _libc.capset(header, data)
 
 
-def _program(req: dict, fds: list[int], drop_to: int | None) -> None:
+def _program(req: dict, fds: list[int], drop_to: int | None, caps: dict) -> None:
     """In X: isolate, run, exit. Never returns."""
     code_rc = 1
     try:
@@ -300,7 +300,9 @@ def _program(req: dict, fds: list[int], drop_to: int | None) -> None:
             (resource.RLIMIT_AS, base + (lim["memory_mb"] << 20), base + (lim["memory_mb"] << 20)),
             (resource.RLIMIT_FSIZE, lim["file_size_mb"] << 20, lim["file_size_mb"] << 20),
             (resource.RLIMIT_NOFILE, lim["open_files"], lim["open_files"]),
-        ) + (nproc if os.geteuid() else ()):
+        # RLIMIT_NPROC counts every process of the uid, so concurrent calls run as nobody would
+        # share it; the per-call pids cgroup, where there is one, is the better cap.
+        ) + (nproc if os.geteuid() and not caps.get("pids_cgroup") else ()):
             _, held = resource.getrlimit(which)
             if held != resource.RLIM_INFINITY:
                 soft, hard = min(soft, held), min(hard, held)
@@ -366,7 +368,7 @@ def _warden(req: dict, fds: list[int], caps: dict, drop_to: int | None) -> None:
         if pid == 0:
             if caps["mountns"]:
                 _lock_down_mounts(req["home"])
-            _program(req, fds, drop_to)
+            _program(req, fds, drop_to, caps)
         for fd in fds[:2]:
             os.close(fd)
         while True:
