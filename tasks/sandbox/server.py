@@ -9,6 +9,10 @@ At most `workers` programs run at once; at most `max_queue` more calls wait for 
 the server answers 503 {"error": "busy"} at once, so an overloaded sandbox pushes back on its
 callers instead of growing an unbounded queue (the client retries 503 with a backoff).
 
+Calls are forked from a warm template process (numpy, sympy pre-loaded; see executor.py and
+zygote.py); `--spawn` starts a fresh interpreter per call instead. The isolation the kernel
+allowed is logged at start-up, one line per layer.
+
     python -m tasks.sandbox.server serve --port 8123 --workers 4
 """
 
@@ -29,7 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tasks.sandbox.executor import Limits, run_python
+from tasks.sandbox.executor import Limits, TemplatePool, run_python
 from tasks.sandbox.status import ToolResult
 
 # The directory that holds the `tasks` package, so `python -m tasks.sandbox.server` resolves
@@ -67,7 +71,10 @@ def _percentile(sorted_values: list[float], q: float) -> float | None:
 class _Sandbox:
     """Admission control, execution and counters behind the HTTP handlers."""
 
-    def __init__(self, workers: int, max_queue: int, limits: Limits, latency_window: int) -> None:
+    def __init__(
+        self, workers: int, max_queue: int, limits: Limits, latency_window: int, template: bool
+    ) -> None:
+        self.pool = TemplatePool(limits, workers) if template else None
         self.workers = workers
         self.max_queue = max_queue
         self.limits = limits
@@ -95,7 +102,10 @@ class _Sandbox:
             async with self.slots:
                 self.running += 1
                 try:
-                    result = await run_python(code, stdin, self.limits)
+                    if self.pool is not None:
+                        result = await self.pool.run(code, stdin)
+                    else:
+                        result = await run_python(code, stdin, self.limits)
                 finally:
                     self.running -= 1
         finally:
@@ -161,14 +171,22 @@ class _Sandbox:
                 "latency_p99_s": _percentile(latencies, 0.99),
                 "workers": self.workers,
                 "max_queue": self.max_queue,
+                "template": None if self.pool is None else {
+                    "alive": self.pool.alive(), "restarts": self.pool.restarts, **self.pool.report
+                },
             }
         )
 
 
 def create_app(
-    workers: int = 4, max_queue: int = 4096, limits: Limits = Limits(), latency_window: int = 1000
+    workers: int = 4,
+    max_queue: int = 4096,
+    limits: Limits = Limits(),
+    latency_window: int = 1000,
+    template: bool = True,
 ) -> web.Application:
-    sandbox = _Sandbox(workers, max_queue, limits, latency_window)
+    """`template`: fork calls from a warm pre-loaded process (else one fresh interpreter each)."""
+    sandbox = _Sandbox(workers, max_queue, limits, latency_window, template)
     # Batches of long programs are large; aiohttp's default cap is 1 MiB.
     app = web.Application(client_max_size=64 << 20)
     app.add_routes(
@@ -179,6 +197,20 @@ def create_app(
             web.get("/stats", sandbox.stats),
         ]
     )
+    if sandbox.pool is not None:
+        pool = sandbox.pool
+
+        async def start_pool(app: web.Application) -> None:
+            try:
+                await pool.start()
+            except (OSError, RuntimeError) as exc:
+                pool.log(f"{exc}; will retry on the first call")
+
+        async def stop_pool(app: web.Application) -> None:
+            pool.close()
+
+        app.on_startup.append(start_pool)
+        app.on_cleanup.append(stop_pool)
     return app
 
 
@@ -196,6 +228,11 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument(
         "--max-queue", type=int, default=4096, help="calls that may wait for a worker; more get 503"
     )
+    serve.add_argument(
+        "--spawn",
+        action="store_true",
+        help="start a fresh interpreter per call instead of forking from a warm template",
+    )
     # One flag per Limits field, so SandboxService can forward every limit it was given.
     for f in fields(Limits):
         serve.add_argument(
@@ -204,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     limits = Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
-    app = create_app(args.workers, args.max_queue, limits)
+    app = create_app(args.workers, args.max_queue, limits, template=not args.spawn)
     print(
         f"sandbox on http://{args.host}:{args.port}: {args.workers} workers, "
         f"queue {args.max_queue}, {limits}",
