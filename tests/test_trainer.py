@@ -9,6 +9,8 @@ import math
 import pytest
 import torch
 
+from transformers import AutoTokenizer
+
 from tasks.config import LossConfig, OptimConfig, TinyModelConfig
 from tasks.data.problems import generate_problems
 from tasks.rl.batch import Sample
@@ -64,3 +66,21 @@ def test_zero3_and_bf16_update_and_export_full_weights(trainer, zero_stage, dtyp
     assert math.isfinite(metrics["loss"]) and after.keys() == before.keys()
     assert all(after[name].shape == before[name].shape for name in before)  # gathered, not partitioned
     assert any(not torch.equal(after[name].float(), before[name]) for name in before)
+
+
+def test_stage_boundary_reset_keeps_weights_and_drops_optimizer_state(trainer, tmp_path):
+    from tasks.config import default_config_path, load_config
+    from tasks.runtime import Runtime
+
+    model_dir = trainer.save_pretrained(tmp_path / "policy")
+    AutoTokenizer.from_pretrained(trainer.engine.module.config._name_or_path).save_pretrained(model_dir)
+    cfg = load_config(default_config_path(), {"rl.optim.micro_batch_size": 2, "rl.optim.zero_stage": 1})
+    runtime = Runtime(cfg, model_dir, tmp_path / "run")
+    first = runtime.policy_trainer(total_steps=5, reset_optimizer=False)
+    first.rl_step(_samples([1.0, -1.0]), LossConfig())
+    assert runtime.policy_trainer(total_steps=5, reset_optimizer=False) is first  # kept across stages
+    weights = {name: tensor.clone() for name, tensor in first.named_weights()}
+    second = runtime.policy_trainer(total_steps=5, reset_optimizer=True)
+    assert second is not first and second.engine.global_steps == 0
+    assert not second.engine.optimizer.state_dict()["base_optimizer_state"]["state"]
+    assert all(torch.equal(weights[name], tensor) for name, tensor in second.named_weights())
