@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+    # The first start of the local Prefect API migrates a new database: on a busy 2-core machine
+    # that took longer than Prefect's default 20 s and the run failed before it began.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     if os.environ.get("PREFECT_HOME"):  # Prefect creates its home folder, but not the parents
         Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     from tasks.config import default_config_path

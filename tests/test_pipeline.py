@@ -31,7 +31,7 @@ def run(tmp_path_factory):
         "rl.group_size": 4, "rl.stages": [STAGE],
         "eval.k": 2, "eval.max_turns": 3, "eval.max_response_tokens": 128,
     }
-    with prefect_test_harness():
+    with prefect_test_harness(server_startup_timeout=180):  # a new database migrates first
         result = pipeline(config=str(CONFIG), run_id="e2e", overrides=overrides)
     return result, output_dir
 
