@@ -155,23 +155,18 @@ def _environment(home: str) -> dict[str, str]:
     }
 
 
-class _Capture(asyncio.SubprocessProtocol):
-    """Collects stdout and stderr under one shared byte budget and signals exit and overflow.
+class _BudgetedOutput:
+    """stdout and stderr under one shared byte budget; the pipe that overflowed it is marked.
+    Data past the budget is dropped (the caller keeps reading so the pipes never stall)."""
 
-    A protocol rather than `asyncio.create_subprocess_exec`: its `Process.wait()` also waits for
-    the pipes to close, which a background grandchild can delay forever; here process exit is its
-    own event. Data past the budget is read and dropped so the pipes never stall.
-    """
-
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, fds: tuple[int, int]) -> None:
         self.budget = budget
         self.kept = 0
-        self.output = {1: bytearray(), 2: bytearray()}
+        self.output = {fd: bytearray() for fd in fds}
         self.overflow_fd: int | None = None
-        self.stopped = asyncio.Event()  # the program exited or overflowed the budget
-        self.closed = asyncio.Event()  # exited and every pipe closed: all output is in
+        self.stopped = asyncio.Event()  # the program ended or overflowed the budget
 
-    def pipe_data_received(self, fd: int, data: bytes) -> None:
+    def keep(self, fd: int, data: bytes) -> None:
         room = self.budget - self.kept
         if len(data) > room:
             data = data[:room]
@@ -181,6 +176,26 @@ class _Capture(asyncio.SubprocessProtocol):
         self.output[fd] += data
         self.kept += len(data)
 
+    def decoded(self, fd: int) -> str:
+        text = self.output[fd].decode("utf-8", errors="replace")
+        return text + TRUNCATION_MARKER if fd == self.overflow_fd else text
+
+
+class _Capture(_BudgetedOutput, asyncio.SubprocessProtocol):
+    """Collects stdout and stderr under one shared byte budget and signals exit and overflow.
+
+    A protocol rather than `asyncio.create_subprocess_exec`: its `Process.wait()` also waits for
+    the pipes to close, which a background grandchild can delay forever; here process exit is its
+    own event. Data past the budget is read and dropped so the pipes never stall.
+    """
+
+    def __init__(self, budget: int) -> None:
+        super().__init__(budget, (1, 2))
+        self.closed = asyncio.Event()  # exited and every pipe closed: all output is in
+
+    def pipe_data_received(self, fd: int, data: bytes) -> None:
+        self.keep(fd, data)
+
     def process_exited(self) -> None:
         self.stopped.set()
 
@@ -188,8 +203,7 @@ class _Capture(asyncio.SubprocessProtocol):
         self.closed.set()
 
     def text(self, fd: int) -> str:
-        text = self.output[fd].decode("utf-8", errors="replace")
-        return text + TRUNCATION_MARKER if fd == self.overflow_fd else text
+        return self.decoded(fd)
 
 
 def _kill_group(pgid: int) -> None:
@@ -300,24 +314,20 @@ async def _spawn_and_wait(
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class _PipeCall:
+class _PipeCall(_BudgetedOutput):
     """Reads one forked call's stdout, stderr (under one byte budget) and status pipe."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, out_r: int, err_r: int, status_r: int,
                  budget: int) -> None:  # fmt: skip
+        super().__init__(budget, (out_r, err_r))
         self.loop = loop
-        self.budget = budget
-        self.kept = 0
-        self.output = {out_r: bytearray(), err_r: bytearray()}
         self.names = {out_r: 1, err_r: 2}
-        self.overflow_fd: int | None = None
         self.status_r = status_r
         self.status_buf = bytearray()
         self.pgid: int | None = None
         self.error: str | None = None  # the template could not start the call
         self.wait_status: int | None = None
         self.started = asyncio.Event()  # the warden reported its pid (or died first)
-        self.stopped = asyncio.Event()  # the program ended, overflowed, or the status pipe closed
         self.closed = asyncio.Event()  # both output pipes at EOF
         self.open_fds = {out_r, err_r, status_r}
         for fd in self.open_fds:
@@ -349,14 +359,7 @@ class _PipeCall:
             self.status_buf += data
             self._parse_status()
             return
-        room = self.budget - self.kept
-        if len(data) > room:
-            data = data[:room]
-            if self.overflow_fd is None:
-                self.overflow_fd = fd
-                self.stopped.set()
-        self.output[fd] += data
-        self.kept += len(data)
+        self.keep(fd, data)
 
     def _parse_status(self) -> None:
         buf = self.status_buf
@@ -382,9 +385,7 @@ class _PipeCall:
             self._close(fd)
 
     def text(self, fd_name: int) -> str:
-        fd = next(fd for fd, name in self.names.items() if name == fd_name)
-        text = self.output[fd].decode("utf-8", errors="replace")
-        return text + TRUNCATION_MARKER if fd == self.overflow_fd else text
+        return self.decoded(next(fd for fd, name in self.names.items() if name == fd_name))
 
 
 class TemplatePool:
