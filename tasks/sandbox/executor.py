@@ -227,21 +227,27 @@ def _classify(returncode: int | None, timed_out: bool, overflowed: bool) -> Tool
     return ToolStatus.ERROR
 
 
+def _call_dir(root: str, code: str, stdin: str) -> tuple[str, str, str]:
+    """(working dir, code path, stdin path) of a call under its private `root`; the code and the
+    input live beside the working directory, not in it."""
+    home = os.path.join(root, "home")
+    os.mkdir(home)
+    code_path = os.path.join(root, "code.py")
+    stdin_path = os.path.join(root, "stdin")
+    with open(code_path, "w", encoding="utf-8", errors="replace") as f:
+        f.write(code)
+    with open(stdin_path, "w", encoding="utf-8", errors="replace") as f:
+        f.write(stdin)
+    return home, code_path, stdin_path
+
+
 async def run_python(
     code: str, stdin: str, limits: Limits, python: str = sys.executable
 ) -> ToolResult:
     """Run `code` as a fresh Python program with `stdin` as its standard input."""
     root = tempfile.mkdtemp(prefix="rstar2-sandbox-")
     try:
-        # The code and the input live beside the working directory, not in it.
-        home = os.path.join(root, "home")
-        os.mkdir(home)
-        code_path = os.path.join(root, "code.py")
-        stdin_path = os.path.join(root, "stdin")
-        with open(code_path, "w", encoding="utf-8", errors="replace") as f:
-            f.write(code)
-        with open(stdin_path, "w", encoding="utf-8", errors="replace") as f:
-            f.write(stdin)
+        home, code_path, stdin_path = _call_dir(root, code, stdin)
         return await _spawn_and_wait(
             [python, "-I", "-B", "-c", _RUNNER, code_path, str(_EXIT_MEMORY)],
             stdin_path,
@@ -551,14 +557,7 @@ class TemplatePool:
             return await run_python(code, stdin, limits, self.python)
         root = tempfile.mkdtemp(prefix="rstar2-sandbox-")
         try:
-            home = os.path.join(root, "home")
-            os.mkdir(home)
-            code_path = os.path.join(root, "code.py")
-            stdin_path = os.path.join(root, "stdin")
-            with open(code_path, "w", encoding="utf-8", errors="replace") as f:
-                f.write(code)
-            with open(stdin_path, "w", encoding="utf-8", errors="replace") as f:
-                f.write(stdin)
+            home, code_path, stdin_path = _call_dir(root, code, stdin)
             if self.report.get("drop_privileges"):
                 for path in (root, home, code_path, stdin_path):
                     os.chown(path, 65534, 65534)
