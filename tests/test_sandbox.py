@@ -10,7 +10,6 @@ subprocesses; nothing is mocked. About 10 s on two cores.
 
 import asyncio
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from tasks.sandbox.client import SandboxClient
 from tasks.sandbox.executor import TRUNCATION_MARKER, Limits
 from tasks.sandbox.server import SandboxService, _free_port
 from tasks.sandbox.status import ToolResult, ToolStatus
+from tests.sandbox_helpers import execute, service_with_secret
 
 # Short limits keep the timeout tests quick.
 LIMITS = Limits(timeout_s=2.0, cpu_s=2, memory_mb=256, output_bytes=1024)
@@ -31,24 +31,8 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def service() -> Iterator[SandboxService]:
-    # The server inherits this; the sandboxed programs must not.
-    os.environ[SECRET_NAME] = "hunter2"
-    try:
-        sandbox = SandboxService(workers=2, limits=LIMITS).start()
-    finally:
-        del os.environ[SECRET_NAME]
-    try:
+    with service_with_secret(LIMITS, SECRET_NAME, "hunter2") as sandbox:
         yield sandbox
-    finally:
-        sandbox.stop()
-
-
-def execute(url: str, code: str, stdin: str = "") -> ToolResult:
-    async def go() -> ToolResult:
-        async with SandboxClient([url]) as client:
-            return await client.execute(code, stdin)
-
-    return asyncio.run(go())
 
 
 def execute_batch(urls: list[str], calls: list[tuple[str, str]], **client_kw) -> list[ToolResult]:

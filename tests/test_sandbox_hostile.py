@@ -21,6 +21,7 @@ from tasks.sandbox.client import SandboxClient
 from tasks.sandbox.executor import TRUNCATION_MARKER, Limits
 from tasks.sandbox.server import SandboxService
 from tasks.sandbox.status import ToolResult, ToolStatus
+from tests.sandbox_helpers import execute, service_with_secret
 
 LIMITS = Limits(timeout_s=1.5, cpu_s=1, memory_mb=256, output_bytes=2048, processes=16)
 SECRET_NAME = "RSTAR2_HOSTILE_TEST_SECRET"
@@ -33,23 +34,8 @@ S = ToolStatus
 
 @pytest.fixture(scope="module")
 def service() -> Iterator[SandboxService]:
-    os.environ[SECRET_NAME] = SECRET_VALUE
-    try:
-        sandbox = SandboxService(workers=2, limits=LIMITS).start()
-    finally:
-        del os.environ[SECRET_NAME]
-    try:
+    with service_with_secret(LIMITS, SECRET_NAME, SECRET_VALUE) as sandbox:
         yield sandbox
-    finally:
-        sandbox.stop()
-
-
-def execute(url: str, code: str, stdin: str = "") -> ToolResult:
-    async def go() -> ToolResult:
-        async with SandboxClient([url], timeout_s=60) as client:
-            return await client.execute(code, stdin)
-
-    return asyncio.run(go())
 
 
 def get_json(url: str) -> dict:
