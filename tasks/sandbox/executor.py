@@ -2,15 +2,18 @@
 
 Two paths with one contract (a `ToolResult` with a structured status):
 
-- `TemplatePool.run` (what the server uses): each call is forked from a warm template process
-  that has numpy and sympy imported and warmed up (tasks/sandbox/zygote.py). Per call: its own
-  session, network namespace (no network at all), pid namespace (everything the program started,
-  setsid() escapes included, dies with the call), mount namespace (private /proc showing only the
-  call's processes; every mount read-only except the call's working dir), a pids cgroup capped
-  at `Limits.processes` + 3, no capabilities when running as root, uid nobody when running as
-  root and nobody can read the interpreter, rlimits, a scrubbed environment, no inherited
-  descriptors, and a private temp dir removed afterwards. What the kernel refuses is logged once
-  at start-up. A dead template is restarted; if it cannot be, calls fall back to `run_python`.
+- `TemplatePool.run` (what the server uses): each call is forked from a warm "cell", a copy of a
+  template process that has numpy and sympy imported and warmed up (tasks/sandbox/zygote.py);
+  one cell per worker slot, so one fork per call. Each cell has its own network namespace (no
+  network at all), pid namespace (everything a call started, setsid() escapes included, is killed
+  when the call ends), mount namespace (private /proc showing only the cell's processes; every
+  mount read-only except the cell's work dir and a private /dev/shm; the other cells' files and,
+  for uid nobody, everything but the interpreter's import directories hidden) and a pids cgroup
+  capped at `Limits.processes` + 3. Per call: uid nobody when running as root (root without
+  capabilities when nobody cannot read the interpreter), rlimits, a scrubbed environment, no
+  inherited descriptors, and a private working dir removed afterwards. What the kernel refuses
+  is logged once at start-up. A dead cell is replaced and a dead template restarted; if the
+  template cannot be started, calls fall back to `run_python`.
 - `run_python`: a fresh interpreter per call (`python -I`), rlimits, its own session, a private
   temp dir, a scrubbed environment. Slower, and it has none of the namespaces: the program shares
   the server's network and filesystem view and uid, and a setsid() child can outlive its call.
@@ -19,10 +22,11 @@ Common to both: a runner parses the code with `ast`, executes it, and echoes the
 bare expression as IPython does; stdout + stderr share a byte budget past which the program is
 killed and the output marked truncated; a wall-clock timeout SIGKILLs the whole process group.
 
-Still not covered (use a VM for hostile users): when the server runs as root and uid nobody
-cannot read the interpreter, programs run as uid 0 without capabilities, so they can read files
-that root owns and that are readable by their owner (e.g. /etc/shadow), though they cannot write
-anywhere but their temp dir; disk use is bounded per file (RLIMIT_FSIZE), not in total. In the
+Still not covered (use a VM for hostile users): programs share the kernel; uid nobody can read
+what the world may read; when uid nobody cannot read the interpreter even after the masking,
+programs run as uid 0 without capabilities and can read files that root owns and may read
+(e.g. /etc/shadow), though they cannot write anywhere but their working dir; disk use is bounded
+per file (RLIMIT_FSIZE), not in total. In the
 template path RLIMIT_AS counts on top of the template's own mappings (numpy and sympy are already
 mapped; the program gets `memory_mb` more).
 """
@@ -31,6 +35,7 @@ import asyncio
 import json
 import os
 import resource
+import select
 import shutil
 import signal
 import socket
@@ -319,9 +324,16 @@ async def _spawn_and_wait(
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# How long past the wall-clock limit (which the cell enforces itself) a cell may take to report
+# before it counts as stuck and is killed, namespace and all.
+_CELL_GRACE_S = 2.0
+
+# Why a call ended, as the cell reports it after X's wait status (kept equal to zygote.END_*).
+_END_TIMEOUT = 1
+
 
 class _PipeCall(_BudgetedOutput):
-    """Reads one forked call's stdout, stderr (under one byte budget) and status pipe."""
+    """Reads one call's stdout, stderr (under one byte budget) and status pipe."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, out_r: int, err_r: int, status_r: int,
                  budget: int) -> None:  # fmt: skip
@@ -330,10 +342,10 @@ class _PipeCall(_BudgetedOutput):
         self.names = {out_r: 1, err_r: 2}
         self.status_r = status_r
         self.status_buf = bytearray()
-        self.pgid: int | None = None
-        self.error: str | None = None  # the template could not start the call
+        self.error: str | None = None  # the cell could not start the call
         self.wait_status: int | None = None
-        self.started = asyncio.Event()  # the warden reported its pid (or died first)
+        self.ending: int | None = None
+        self.finished = asyncio.Event()  # the cell reported (or its status pipe closed)
         self.closed = asyncio.Event()  # both output pipes at EOF
         self.open_fds = {out_r, err_r, status_r}
         for fd in self.open_fds:
@@ -348,6 +360,10 @@ class _PipeCall(_BudgetedOutput):
         if not (self.open_fds - {self.status_r}):
             self.closed.set()
 
+    def _finish(self) -> None:
+        self.finished.set()
+        self.stopped.set()
+
     def _readable(self, fd: int) -> None:
         try:
             data = os.read(fd, 65536)
@@ -357,34 +373,20 @@ class _PipeCall(_BudgetedOutput):
             data = b""
         if not data:
             if fd == self.status_r:
-                self.started.set()
-                self.stopped.set()
+                self._finish()
             self._close(fd)
             return
         if fd == self.status_r:
             self.status_buf += data
-            self._parse_status()
+            buf = self.status_buf
+            if buf[:1] == b"E":
+                self.error = bytes(buf[1:]).decode("utf-8", errors="replace")
+                self._finish()
+            elif buf[:1] == b"S" and len(buf) >= 6:
+                self.wait_status, self.ending = struct.unpack("<iB", bytes(buf[1:6]))
+                self._finish()
             return
         self.keep(fd, data)
-
-    def _parse_status(self) -> None:
-        buf = self.status_buf
-        while buf:
-            if buf[:1] == b"P" and len(buf) >= 9:
-                (self.pgid,) = struct.unpack("<q", bytes(buf[1:9]))
-                del buf[:9]
-                self.started.set()
-            elif buf[:1] == b"E":
-                self.error = bytes(buf[1:]).decode("utf-8", errors="replace")
-                del buf[:]
-                self.started.set()
-                self.stopped.set()
-            elif buf[:1] == b"S" and len(buf) >= 5:
-                (self.wait_status,) = struct.unpack("<i", bytes(buf[1:5]))
-                del buf[:5]
-                self.stopped.set()
-            else:
-                return
 
     def close_all(self) -> None:
         for fd in list(self.open_fds):
@@ -394,12 +396,48 @@ class _PipeCall(_BudgetedOutput):
         return self.decoded(next(fd for fd, name in self.names.items() if name == fd_name))
 
 
+class _Cell:
+    """The server's side of one cell (see zygote.py): a socket to its init I, and I's pid."""
+
+    def __init__(self, directory: str, sock: socket.socket, info: dict) -> None:
+        self.dir = directory
+        self.sock: socket.socket | None = sock
+        self.pid = info["pid"]
+        self.pidfd = os.pidfd_open(self.pid)  # readable once I has exited; no pid-reuse race
+        self.calls = 0
+
+    def alive(self) -> bool:
+        if self.sock is None:
+            return False
+        dead, _, _ = select.select([self.pidfd], [], [], 0)
+        return not dead
+
+    def interrupt(self, call: int) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.send(b"K%d" % call)
+            except OSError:
+                pass  # I is gone: the status pipe says so
+
+    def close(self) -> None:
+        """Kill I, which ends its namespace and everything in it."""
+        if self.sock is None:
+            return
+        try:
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.close(self.pidfd)
+        self.sock.close()
+        self.sock = None
+
+
 class TemplatePool:
-    """Forks each call from a warm template process; restarts the template when it dies.
+    """Runs each call in one of `workers` cells forked from a warm template process.
 
     One per event loop (the server holds one). `run` has the same contract as `run_python`.
-    When the template cannot be (re)started, calls fall back to `run_python` (a fresh
-    interpreter per call) and the reason is logged once.
+    A dead cell is replaced and a dead template restarted; when the template cannot be started,
+    calls fall back to `run_python` (a fresh interpreter per call) and the reason is logged once.
     """
 
     def __init__(self, limits: Limits, workers: int = 4, python: str = sys.executable,
@@ -413,10 +451,15 @@ class TemplatePool:
         self.sock: socket.socket | None = None
         self.report: dict = {}
         self.restarts = 0
+        self.cells: list[_Cell | None] = [None] * workers
+        self.pool_dir: str | None = None
+        self._cgroups: list[str] = []  # every template's cgroup, removed at close()
+        self._idle: asyncio.Queue[int] | None = None
         self._starting: asyncio.Lock | None = None
-        self._send_lock = threading.Lock()
+        self._template_lock = threading.Lock()  # one cell request to the template at a time
+        self._logged_privileges = False
 
-    # -- template lifecycle ----------------------------------------------------------------------
+    # -- template and cell lifecycle -------------------------------------------------------------
 
     def _spawn_template(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -428,8 +471,8 @@ class TemplatePool:
             "MKL_NUM_THREADS": "1",
             "PYTHONDONTWRITEBYTECODE": "1",
             # Objects in glibc's heap, and that heap in transparent huge pages: forking the
-            # template then copies one page-table entry per 2 MiB instead of per 4 KiB, which
-            # halves the cost of a fork (measured: 4.2 -> 2.1 ms CPU per fork + exit).
+            # template then copies one page-table entry per 2 MiB instead of per 4 KiB
+            # (measured: 4.8 -> 1.5 ms CPU per fork + exit, and fewer page faults after it).
             "PYTHONMALLOC": "malloc",
             "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
         }
@@ -457,40 +500,87 @@ class TemplatePool:
             ours.close()
             self._kill_template()
             raise RuntimeError("sandbox template exited during start-up")
-        ours.settimeout(None)
         self.sock, self.report = ours, report
+        if report.get("pids_cgroup"):
+            self._cgroups.append(report["pids_cgroup"])
+        if self.pool_dir is None:
+            # Readable by uid nobody, which runs the programs; each cell sees only its own subdir.
+            self.pool_dir = tempfile.mkdtemp(prefix="rstar2-sandbox-")
+            os.chmod(self.pool_dir, 0o755)
         self._log_report(report)
+
+    def _make_cell(self, index: int) -> _Cell:
+        """Ask the template for a new cell in slot `index` (blocking: run it in a thread)."""
+        assert self.sock is not None and self.pool_dir is not None
+        directory = os.path.join(self.pool_dir, f"cell-{index}")
+        shutil.rmtree(directory, ignore_errors=True)
+        os.makedirs(os.path.join(directory, "work"))
+        for path in (directory, os.path.join(directory, "work")):
+            os.chmod(path, 0o755)
+        spec = {"dir": directory, "pool": self.pool_dir, "package_root": _PACKAGE_ROOT}
+        with self._template_lock:
+            self.sock.settimeout(self.startup_timeout_s)
+            try:
+                self.sock.send(json.dumps(spec).encode())
+                message, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 1)
+            finally:
+                self.sock.settimeout(None)
+        if not message:
+            raise RuntimeError("sandbox template closed its socket")
+        info = json.loads(message)
+        if "error" in info or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise RuntimeError(f"sandbox template could not start a cell: {info.get('error')}")
+        sock = socket.socket(fileno=fds[0])
+        sock.settimeout(self.startup_timeout_s)
+        try:
+            ready = json.loads(sock.recv(1 << 16) or b"{}")
+        except (OSError, ValueError):
+            ready = {}
+        if not ready.get("ready"):
+            sock.close()
+            raise RuntimeError("sandbox cell died while starting (see the log above)")
+        sock.setblocking(False)
+        self.report.update({k: v for k, v in ready.items() if k != "ready"})
+        if not self._logged_privileges:
+            self._logged_privileges = True
+            self._log_privileges(self.report)
+        return _Cell(directory, sock, info)
 
     def _log_report(self, r: dict) -> None:
         self.log(f"sandbox template pid {r.get('pid')} ready (numpy, sympy pre-loaded)")
         self.log(
             "sandbox isolation: network "
-            + ("none for programs (own empty network namespace per call)" if r.get("netns") else
+            + ("none for programs (own empty network namespace per cell)" if r.get("netns") else
                "NOT ISOLATED: the kernel refused unshare(CLONE_NEWNET); "
                "programs can reach the network")  # fmt: skip
         )
         self.log(
             "sandbox isolation: pid namespace "
             + ("on (escaped background processes die with the call)" if r.get("pidns") else
-               "NOT available: a setsid() escape can outlive its call")  # fmt: skip
-            + ("; private /proc" if r.get("mountns") else "; host /proc visible")
-        )
+               "NOT available: escapes are hunted as children of the cell (subreaper)")
+            + ("; private /proc, read-only mounts" if r.get("mountns") else
+               "; host /proc visible, host mounts writable where the uid may write")
+        )  # fmt: skip
         if r.get("root"):
-            if r.get("drop_privileges"):
-                self.log("sandbox isolation: running as root; programs run as nobody (65534)")
-            else:
-                self.log(
-                    "sandbox isolation: running as root and NOT dropping privileges: uid nobody "
-                    f"cannot read the interpreter's files ({r.get('drop_privileges_blocked_by')}); "
-                    "programs run as uid 0 without capabilities, on read-only mounts (they can "
-                    "still read what root's owner bits allow); make the interpreter readable by "
-                    "nobody to fix"
-                )
             self.log(
                 f"sandbox isolation: pids cgroup {r.get('pids_cgroup')}"
                 if r.get("pids_cgroup") else
                 "sandbox isolation: no pids cgroup: a fork bomb run as root is bounded only by "
                 "the wall-clock kill"  # fmt: skip
+            )
+
+    def _log_privileges(self, r: dict) -> None:
+        if not r.get("root"):
+            return
+        if r.get("drop_privileges"):
+            self.log("sandbox isolation: running as root; programs run as nobody (65534)")
+        else:
+            self.log(
+                "sandbox isolation: running as root and NOT dropping privileges: uid nobody "
+                f"cannot read the interpreter's files ({r.get('drop_privileges_blocked_by')}); "
+                "programs run as uid 0 without capabilities, on read-only mounts"
             )
 
     def _kill_template(self) -> None:
@@ -502,29 +592,30 @@ class TemplatePool:
             if process.poll() is None:
                 process.kill()
             process.wait()
-        cgroup = self.report.get("pids_cgroup")
-        if cgroup:
-            for _ in range(50):
-                for entry in os.scandir(cgroup) if os.path.isdir(cgroup) else ():
-                    if entry.is_dir():
-                        try:
-                            os.rmdir(entry.path)
-                        except OSError:
-                            pass  # the group empties once the last call's processes are gone
-                try:
-                    os.rmdir(cgroup)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.02)
-        self.report = {}
 
     async def start(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self._spawn_template)
 
+    async def start_cells(self) -> None:
+        """Start every missing cell now rather than on its first call (~50 ms each)."""
+        loop = asyncio.get_running_loop()
+        for index, cell in enumerate(self.cells):
+            if cell is None:
+                self.cells[index] = await loop.run_in_executor(None, self._make_cell, index)
+
     def close(self) -> None:
+        for i, cell in enumerate(self.cells):
+            if cell is not None:
+                cell.close()
+                self.cells[i] = None
         self._kill_template()
+        for cgroup in self._cgroups:
+            _remove_cgroup(cgroup)
+        self._cgroups = []
+        if self.pool_dir is not None:
+            shutil.rmtree(self.pool_dir, ignore_errors=True)
+            self.pool_dir = None
+        self.report = {}
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None and self.sock is not None
@@ -552,86 +643,107 @@ class TemplatePool:
     # -- one call --------------------------------------------------------------------------------
 
     async def run(self, code: str, stdin: str) -> ToolResult:
-        limits = self.limits
         if not await self._ensure():
-            return await run_python(code, stdin, limits, self.python)
-        root = tempfile.mkdtemp(prefix="rstar2-sandbox-")
+            return await run_python(code, stdin, self.limits, self.python)
+        if self._idle is None:
+            self._idle = asyncio.Queue()
+            for index in range(self.workers):
+                self._idle.put_nowait(index)
+        index = await self._idle.get()
         try:
-            home, code_path, stdin_path = _call_dir(root, code, stdin)
-            if self.report.get("drop_privileges"):
-                for path in (root, home, code_path, stdin_path):
-                    os.chown(path, 65534, 65534)
-            request = {
-                "home": home,
-                "code_path": code_path,
-                "stdin_path": stdin_path,
-                "env": _environment(home),
-                "package_root": _PACKAGE_ROOT,
-                "limits": {
-                    f: getattr(limits, f)
-                    for f in ("cpu_s", "memory_mb", "file_size_mb", "open_files", "processes")
-                },
-            }
-            for attempt in range(2):
-                result = await self._run_forked(request, limits)
+            for _ in range(2):
+                cell = self.cells[index]
+                if cell is None or not cell.alive():
+                    if cell is not None:
+                        self.log("sandbox cell died; starting a new one")
+                        cell.close()
+                    self.cells[index] = None
+                    if not await self._ensure():
+                        return await run_python(code, stdin, self.limits, self.python)
+                    loop = asyncio.get_running_loop()
+                    try:
+                        cell = await loop.run_in_executor(None, self._make_cell, index)
+                    except (OSError, RuntimeError, ValueError) as exc:
+                        return ToolResult(ToolStatus.INTERNAL, stderr=f"sandbox: {exc}")
+                    self.cells[index] = cell
+                result = await self._run_in(cell, code, stdin)
                 if result is not None:
                     return result
-                # The template died before forking this call: restart it and try once more.
-                if self.process is not None:
-                    self.log(f"sandbox template died (exit {self.process.poll()}); restarting it")
-                    self.restarts += 1
-                self._kill_template()
-                if not await self._ensure():
-                    return await run_python(code, stdin, limits, self.python)
-            return ToolResult(ToolStatus.INTERNAL, stderr="sandbox template keeps failing")
+                cell.close()  # it died under the call: a new cell, and the call once more
+            return ToolResult(ToolStatus.INTERNAL, stderr="sandbox cells keep dying")
         finally:
-            shutil.rmtree(root, ignore_errors=True)
+            self._idle.put_nowait(index)
 
-    async def _run_forked(self, request: dict, limits: Limits) -> ToolResult | None:
-        loop = asyncio.get_running_loop()
+    async def _run_in(self, cell: _Cell, code: str, stdin: str) -> ToolResult | None:
+        """The call's result, or None when the cell died before reporting."""
+        limits = self.limits
+        assert cell.sock is not None
+        code_path = os.path.join(cell.dir, "code.py")
+        stdin_path = os.path.join(cell.dir, "stdin")
+        with open(code_path, "w", encoding="utf-8", errors="replace") as f:
+            f.write(code)
+        with open(stdin_path, "w", encoding="utf-8", errors="replace") as f:
+            f.write(stdin)
+        home = os.path.join(cell.dir, "work", "home")
+        cell.calls += 1
+        request = {
+            "call": cell.calls,
+            "home": home,
+            "code_path": code_path,
+            "stdin_path": stdin_path,
+            "env": _environment(home),
+            "package_root": _PACKAGE_ROOT,
+            "timeout_s": limits.timeout_s,
+            "limits": {
+                f: getattr(limits, f)
+                for f in ("cpu_s", "memory_mb", "file_size_mb", "open_files", "processes")
+            },
+        }
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         status_r, status_w = os.pipe()
         started = time.monotonic()
         try:
-            sock = self.sock
-            assert sock is not None
-            with self._send_lock:
-                socket.send_fds(sock, [json.dumps(request).encode()], [out_w, err_w, status_w])
+            socket.send_fds(cell.sock, [json.dumps(request).encode()], [out_w, err_w, status_w])
         except OSError:
             for fd in (out_r, out_w, err_r, err_w, status_r, status_w):
                 os.close(fd)
             return None
         for fd in (out_w, err_w, status_w):
             os.close(fd)
-        call = _PipeCall(loop, out_r, err_r, status_r, limits.output_bytes)
-        timed_out = False
+        call = _PipeCall(asyncio.get_running_loop(), out_r, err_r, status_r, limits.output_bytes)
+        stuck = False
         try:
             try:
+                await asyncio.wait_for(call.stopped.wait(), limits.timeout_s + _CELL_GRACE_S)
+            except TimeoutError:
+                pass
+            if not call.finished.is_set():
+                cell.interrupt(cell.calls)  # too much output, or the cell is late
                 try:
-                    await asyncio.wait_for(call.stopped.wait(), limits.timeout_s)
+                    await asyncio.wait_for(call.finished.wait(), _CELL_GRACE_S)
                 except TimeoutError:
-                    timed_out = True
-            finally:
-                wall_s = time.monotonic() - started
-                if call.pgid is not None:
-                    # As in run_python: always kill the group (and with its init, the namespace).
-                    _kill_group(call.pgid)
-            if call.pgid is None and not timed_out and call.error is None:
-                return None  # no warden ever reported: the template failed us
+                    stuck = True
+                    cell.close()
+            wall_s = time.monotonic() - started
             try:
                 await asyncio.wait_for(call.closed.wait(), _DRAIN_GRACE_S)
             except TimeoutError:
                 pass
+        except BaseException:
+            cell.interrupt(cell.calls)  # cancelled: the program must not run on
+            raise
         finally:
             call.close_all()
-        if call.pgid is None:
-            why = call.error or "no answer"
-            why = f"sandbox could not start the call: {why}"
-            return ToolResult(ToolStatus.INTERNAL, stderr=why)
-        returncode = (
-            os.waitstatus_to_exitcode(call.wait_status) if call.wait_status is not None else None
-        )
+        if call.error is not None:
+            return ToolResult(ToolStatus.INTERNAL, stderr=f"sandbox could not start the call: "
+                                                          f"{call.error}")  # fmt: skip
+        if call.wait_status is None and not stuck:
+            return None
+        returncode = None
+        if call.wait_status is not None and call.wait_status >= 0:
+            returncode = os.waitstatus_to_exitcode(call.wait_status)
+        timed_out = stuck or call.ending == _END_TIMEOUT
         return ToolResult(
             status=_classify(returncode, timed_out, call.overflow_fd is not None),
             stdout=call.text(1),
@@ -639,3 +751,21 @@ class TemplatePool:
             exit_code=returncode,
             wall_s=round(wall_s, 4),
         )
+
+
+def _remove_cgroup(path: str) -> None:
+    """Remove a template's cgroup once its cells' processes are gone (they die asynchronously)."""
+    for _ in range(50):
+        for entry in os.scandir(path) if os.path.isdir(path) else ():
+            if entry.is_dir():
+                try:
+                    os.rmdir(entry.path)
+                except OSError:
+                    pass
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.02)

@@ -172,7 +172,8 @@ class _Sandbox:
                 "workers": self.workers,
                 "max_queue": self.max_queue,
                 "template": None if self.pool is None else {
-                    "alive": self.pool.alive(), "restarts": self.pool.restarts, **self.pool.report
+                    "alive": self.pool.alive(), "restarts": self.pool.restarts, **self.pool.report,
+                    "cells": [cell.pid if cell else None for cell in self.pool.cells],
                 },
             }
         )
@@ -203,6 +204,7 @@ def create_app(
         async def start_pool(app: web.Application) -> None:
             try:
                 await pool.start()
+                await pool.start_cells()
             except (OSError, RuntimeError) as exc:
                 pool.log(f"{exc}; will retry on the first call")
 

@@ -1,42 +1,52 @@
-"""The template (zygote) process: imports the heavy modules once, then forks one program per call.
+"""The template (zygote) process and its cells: numpy and sympy imported once, one fork per call.
 
-The server starts this module as a child process and talks to it over a SOCK_SEQPACKET Unix
-socket. Each request is one message: a JSON header (working dir, code and stdin paths, limits)
-plus three descriptors passed with SCM_RIGHTS: the write ends of the call's stdout, stderr and
-status pipes. The template never answers a request; everything the server needs travels on the
-status pipe, which the server reads alongside the output:
+The server starts this module as a child process (T) and talks to it over a SOCK_SEQPACKET Unix
+socket. T imports and warms up the heavy modules, then serves one kind of request: "start a
+cell". A cell is a long-lived copy of T in its own namespaces, one per worker slot:
 
-    template T --fork--> warden W: setsid(); unshare(net, pid, mount namespaces where allowed);
-                         writes b"P" + its pid (the process group the server kills on timeout);
-                         spawns `sleep` as the pid namespace's init (pid 1, exec'd: cheap);
-    W --fork--> program X: pid 2 of the namespace; mounts its own /proc; fd 0/1/2 from the call,
-                         every other descriptor closed, private cwd, scrubbed environment,
-                         rlimits, fresh random seeds; runs the code with the final bare
-                         expression echoed, as a fresh interpreter would.
-    W waits for X, writes b"S" + X's wait status, and kills the init: the kernel then kills every
-    process left in the namespace, including ones that escaped the group with setsid(). The
-    server's group kill on a timeout reaches W and the init (same group), with the same effect.
+    T --fork--> C: unshare(net, pid, mount namespaces where allowed); joins the cell's pids cgroup;
+                   forks I, reports I's pid to T, then only waits for I.
+    C --fork--> I: pid 1 of the new pid namespace. Once: mounts its own /proc, hides the other
+                   cells' files and what uid nobody could not read anyway behind empty tmpfs,
+                   makes every mount read-only except the cell's work dir and a private /dev/shm.
+                   Then per call: makes a private working dir, forks the program X, enforces the
+                   wall-clock limit, kills every other process in the namespace once X is done
+                   (setsid() escapes included: they are in the namespace), removes the dir, and
+                   writes X's wait status on the call's status pipe.
+    I --fork--> X: the program. Its own process group, fd 0/1/2 from the call and every other
+                   descriptor closed, scrubbed environment, uid nobody (or root without any
+                   capability when nobody cannot read the interpreter), rlimits, fresh seeds;
+                   runs the code with the final bare expression echoed, as a fresh interpreter
+                   would.
 
-X is never pid 1: the kernel shields a namespace's init from its own signals, which would turn
-`os.kill(os.getpid(), SIGSEGV)` into a no-op. X cannot see W, T or the server (other pid
-namespace): its getppid() is 0, and the init it can see ignores its signals.
+T answers a cell request with I's pid and the server's end of a socket pair to I (SCM_RIGHTS).
+The server then sends each call straight to an idle cell: a JSON header plus three descriptors,
+the write ends of the call's stdout, stderr and status pipes; b"K<call number>" on the same
+socket asks I to kill that call (the server saw too much output, or I is late).
 
-The first message the template sends is a JSON report of what isolation the kernel allowed;
-the server logs it.
+So each call costs one fork of the loaded interpreter and no namespace set-up: creating and
+tearing down net, pid and mount namespaces per call cost ~4 ms of CPU, and a second fork of the
+loaded template per call ~3 ms more (measured on a 2-core VM, where every page fault is dear).
+Namespaces are shared by the calls of one cell one after another, never at once, and nothing of
+a call survives it: its processes are killed, its directory and /dev/shm emptied.
+
+The first message T sends is a JSON report of what isolation the kernel allowed; the server logs
+it, and each cell's readiness report the same way.
 """
 
 import ctypes
 import gc
 import json
 import os
-import random
 import resource
 import select
 import shutil
 import signal
 import socket
+import stat
 import struct
 import sys
+import time
 import traceback
 import types
 
@@ -52,6 +62,8 @@ MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND = 32, 4096
+PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
 
 EXIT_MEMORY = 86  # kept equal to executor._EXIT_MEMORY
 NOBODY = 65534
@@ -78,9 +90,115 @@ def _probe(flags: int) -> bool:
     return os.waitstatus_to_exitcode(status) == 0
 
 
-def _nobody_can_import() -> tuple[bool, str]:
-    """Whether uid `nobody` can read this interpreter's library dirs (imports after the drop)."""
-    dirs = sorted({p for p in sys.path if p and os.path.isdir(p)})
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _make_pids_cgroup(name: str, limit: int) -> str | None:
+    """A pids cgroup capped at `limit` tasks, or None where there is no writable pids hierarchy:
+    a fork bomb run as root, which RLIMIT_NPROC does not stop, hits this cap instead."""
+    for base in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup/unified", "/sys/fs/cgroup"):
+        if not os.path.exists(os.path.join(base, "cgroup.procs")):
+            continue
+        path = os.path.join(base, name)
+        try:
+            os.mkdir(path)
+            _write(os.path.join(path, "pids.max"), str(limit))
+            return path
+        except OSError:
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Filesystem view of a cell (run in I, inside its own mount namespace, before any call)
+
+
+def _blocked_for_nobody(path: str) -> str | None:
+    """The first directory on the way to `path` (or `path` itself) that uid nobody cannot enter."""
+    current = "/"
+    for part in [p for p in path.split("/") if p]:
+        current = os.path.join(current, part)
+        mode = os.stat(current).st_mode
+        if stat.S_ISDIR(mode) and not mode & stat.S_IXOTH:
+            return current
+    return None
+
+
+def _mask(hidden: str, keep: list[str]) -> None:
+    """Cover directory `hidden` with an empty tmpfs in which only the `keep` paths (below it)
+    reappear, bind-mounted from the originals."""
+    handles = [(path, os.open(path, os.O_PATH)) for path in keep]
+    _mount(b"tmpfs", os.fsencode(hidden), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=0755,size=64k")
+    for path, fd in handles:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        _mount(os.fsencode(f"/proc/self/fd/{fd}"), os.fsencode(path), None, MS_BIND | MS_REC)
+        os.close(fd)
+
+
+def _readable_imports(package_root: str) -> list[str]:
+    """The directories a program imports from (the interpreter's and the environment's)."""
+    dirs = {p for p in sys.path if p and os.path.isdir(p) and p != package_root}
+    # Only the outermost: a bind of lib/python3.11 already brings lib-dynload along.
+    return sorted(d for d in dirs if not any(d != o and d.startswith(o + "/") for o in dirs))
+
+
+def _lock_down_mounts(writable: list[str]) -> None:
+    """Every mount read-only except `writable`, so that even a program running as root cannot
+    write outside them (it has no capabilities left to remount)."""
+    for path in writable:
+        path_b = os.fsencode(path)
+        _mount(path_b, path_b, None, MS_BIND)
+    with open("/proc/self/mountinfo", "rb") as f:
+        lines = f.read().splitlines()
+    keep = {os.fsencode(p) for p in writable} | {b"/proc"}
+    for line in lines:
+        parts = line.split()
+        target = parts[4].replace(b"\\040", b" ").replace(b"\\011", b"\t")
+        if target in keep:
+            continue
+        options = set(parts[5].split(b","))
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        for name, bit in ((b"nosuid", MS_NOSUID), (b"nodev", MS_NODEV), (b"noexec", MS_NOEXEC)):
+            if name in options:
+                flags |= bit
+        _mount(None, target, None, flags)
+
+
+def _set_up_filesystem(cell_dir: str, pool_dir: str, package_root: str, nobody: bool) -> None:
+    # Private propagation first, so that nothing done here leaks back to the host.
+    _mount(None, b"/", None, MS_REC | MS_PRIVATE)
+    _mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _mount(b"/proc/sys", b"/proc/sys", None, MS_BIND | MS_REC)
+    _mount(b"/proc/sysrq-trigger", b"/proc/sysrq-trigger", None, MS_BIND)
+    # The other cells' code and input are not this cell's business.
+    _mask(pool_dir, [cell_dir])
+    if nobody:
+        # e.g. an interpreter under /root (0700): show nobody just the import directories, and
+        # nothing else of the blocking directory (root's home stays hidden).
+        blocked: dict[str, list[str]] = {}
+        for path in _readable_imports(package_root):
+            top = _blocked_for_nobody(path)
+            if top is not None:
+                blocked.setdefault(top, []).append(path)
+        for top, keep in blocked.items():
+            _mask(top, keep)
+    writable = [os.path.join(cell_dir, "work")]
+    _lock_down_mounts(writable)
+    if os.path.isdir("/dev/shm"):
+        # multiprocessing's locks and queues need a writable /dev/shm: a small private one,
+        # emptied after every call.
+        _mount(b"tmpfs", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV,
+               b"size=64m,nr_inodes=4096,mode=1777")  # fmt: skip
+
+
+def _nobody_can_import(package_root: str) -> tuple[bool, str]:
+    """Whether uid nobody can read the import directories (imports after the drop)."""
+    dirs = _readable_imports(package_root)
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -104,30 +222,8 @@ def _nobody_can_import() -> tuple[bool, str]:
     return (not bad), ", ".join(bad)
 
 
-def _join_pids_cgroup(limit: int) -> str | None:
-    """Move the template (and so every call) into its own pids cgroup capped at `limit` tasks:
-    a fork bomb run as root, which RLIMIT_NPROC does not stop, hits this cap instead."""
-    for base in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup/unified", "/sys/fs/cgroup"):
-        if not os.path.exists(os.path.join(base, "cgroup.procs")):
-            continue
-        path = os.path.join(base, f"rstar2-sandbox-{os.getpid()}")
-        try:
-            os.mkdir(path)
-            with open(os.path.join(path, "pids.max"), "w") as f:
-                f.write(str(limit))
-            with open(os.path.join(path, "cgroup.procs"), "w") as f:
-                f.write(str(os.getpid()))
-            return path
-        except OSError:
-            try:
-                os.rmdir(path)
-            except OSError:
-                pass
-    return None
-
-
 # ------------------------------------------------------------------------------------------------
-# The program's side
+# The program's side (X)
 
 
 def _report(exc: BaseException) -> None:
@@ -215,42 +311,6 @@ def _reseed_numpy() -> None:
         np.random.seed(np.frombuffer(os.urandom(32), dtype=np.uint32))
 
 
-def _vm_size() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[0]) * resource.getpagesize()
-
-
-def _lock_down_mounts(home: str) -> None:
-    """In X, inside its own mount namespace: a private /proc, and every mount read-only except
-    the call's working directory, so that even a program running as root cannot write outside
-    it (it has no capabilities left to remount)."""
-    # Private propagation first, so that nothing done here leaks back to the host.
-    _mount(None, b"/", None, MS_REC | MS_PRIVATE)
-    _mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    _mount(b"/proc/sys", b"/proc/sys", None, MS_BIND | MS_REC)
-    _mount(b"/proc/sysrq-trigger", b"/proc/sysrq-trigger", None, MS_BIND)
-    home_b = os.fsencode(home)
-    _mount(home_b, home_b, None, MS_BIND)
-    with open("/proc/self/mountinfo", "rb") as f:
-        lines = f.read().splitlines()
-    for line in lines:
-        parts = line.split()
-        target = parts[4].replace(b"\\040", b" ").replace(b"\\011", b"\t")
-        if target == home_b or target == b"/proc":
-            continue
-        options = set(parts[5].split(b","))
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
-        for name, bit in ((b"nosuid", MS_NOSUID), (b"nodev", MS_NODEV), (b"noexec", MS_NOEXEC)):
-            if name in options:
-                flags |= bit
-        _mount(None, target, None, flags)
-    if os.path.isdir("/dev/shm"):
-        # multiprocessing's locks and queues need a writable /dev/shm: a small private one,
-        # gone with the namespace.
-        _mount(b"tmpfs", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV,
-               b"size=64m,nr_inodes=4096,mode=1777")  # fmt: skip
-
-
 def _drop_capabilities() -> None:
     """Root without capabilities: no remounting, no new namespaces, no raw sockets, no ptrace of
     strangers; files are still checked against uid 0's own permission bits (hence the read-only
@@ -263,59 +323,60 @@ def _drop_capabilities() -> None:
     _libc.capset(header, data)
 
 
-def _program(req: dict, fds: list[int], drop_to: int | None, caps: dict) -> None:
-    """In X: isolate, run, exit. Never returns."""
+def _vm_size() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * resource.getpagesize()
+
+
+def _program(req: dict, fds: list[int], drop_to: int | None, vm_base: int,
+             cgroup: bool) -> None:  # fmt: skip
+    """In X: isolate, run, exit. Never returns. Signal dispositions come from I (SIGPIPE
+    ignored, the rest default), as a fresh interpreter would have them."""
     code_rc = 1
     try:
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as in a fresh interpreter
-        # Our own process group: `os.kill(0, 9)` or `os.killpg(0, 9)` must not reach the warden.
-        # The server's kill of the warden's group still ends us: it takes the namespace's init.
+        # Our own process group: `os.killpg(0, 9)` must not reach the cell.
         os.setpgid(0, 0)
-        out_w, err_w = fds[0], fds[1]
         stdin_fd = os.open(req["stdin_path"], os.O_RDONLY)
         os.dup2(stdin_fd, 0)
-        os.dup2(out_w, 1)
-        os.dup2(err_w, 2)
-        os.closerange(3, 1 << 20)  # the status pipe, the template socket, everything inherited
-        home = req["home"]
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        os.closerange(3, 1 << 20)  # the status pipe, the cell's socket, everything inherited
         with open(req["code_path"], encoding="utf-8", errors="replace") as f:
             source = f.read()
-        os.chdir(home)
+        os.chdir(req["home"])
         os.environ.clear()
         os.environ.update(req["env"])
         if drop_to is not None:
             os.setgroups([])
             os.setgid(drop_to)
             os.setuid(drop_to)
+        _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # no setuid binary gives anything back
         if os.geteuid() == 0:
             _drop_capabilities()
         lim = req["limits"]
-        base = _vm_size()
         nproc = ((resource.RLIMIT_NPROC, lim["processes"], lim["processes"]),)
         for which, soft, hard in (
             (resource.RLIMIT_CPU, lim["cpu_s"], lim["cpu_s"] + 1),
             # On top of the pre-loaded template: numpy and sympy are already mapped.
-            (resource.RLIMIT_AS, base + (lim["memory_mb"] << 20), base + (lim["memory_mb"] << 20)),
+            (resource.RLIMIT_AS, vm_base + (lim["memory_mb"] << 20),
+             vm_base + (lim["memory_mb"] << 20)),  # fmt: skip
             (resource.RLIMIT_FSIZE, lim["file_size_mb"] << 20, lim["file_size_mb"] << 20),
             (resource.RLIMIT_NOFILE, lim["open_files"], lim["open_files"]),
         # RLIMIT_NPROC counts every process of the uid, so concurrent calls run as nobody would
-        # share it; the per-call pids cgroup, where there is one, is the better cap.
-        ) + (nproc if os.geteuid() and not caps.get("pids_cgroup") else ()):
+        # share it; the cell's pids cgroup, where there is one, is the better cap.
+        ) + (nproc if os.geteuid() and not cgroup else ()):
             _, held = resource.getrlimit(which)
             if held != resource.RLIM_INFINITY:
                 soft, hard = min(soft, held), min(hard, held)
             resource.setrlimit(which, (soft, hard))
-        # Fresh standard streams, as a new interpreter would have (nothing buffered from T).
+        # Fresh standard streams, as a new interpreter would have (nothing buffered from I).
         sys.stdin = open(0, "r", encoding="utf-8", errors="strict", closefd=False)
         sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
         sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False,
                           buffering=1)  # fmt: skip
         sys.argv = [""]
         sys.path = [p for p in sys.path if p not in ("", os.getcwd(), req["package_root"])]
-        random.seed()
-        _reseed_numpy()
+        _reseed_numpy()  # `random` reseeds itself in the child after a fork; numpy does not
         code_rc = _execute(source)
     except BaseException:
         try:
@@ -331,66 +392,221 @@ def _program(req: dict, fds: list[int], drop_to: int | None, caps: dict) -> None
     os._exit(code_rc)
 
 
-def _warden(req: dict, fds: list[int], caps: dict, drop_to: int | None) -> None:
-    """In W: new session and namespaces, report the pgid, start the namespace's init, fork the
-    program, report its wait status, end the namespace. Never returns."""
-    status_w = fds[2]
+# ------------------------------------------------------------------------------------------------
+# The cell's init (I)
+
+END_EXITED, END_TIMEOUT, END_KILLED = 0, 1, 2  # why a call ended, sent after its wait status
+
+
+def _await_program(pid: int, sock: socket.socket, req: dict) -> tuple[int, bool]:
+    """Wait for X to exit, for the wall-clock limit, or for the server's b"K<call>" (or hang-up).
+    Returns (why, whether the server hung up)."""
+    timeout_s = req["timeout_s"]
+    kill = b"K%d" % req["call"]
+    pidfd = os.pidfd_open(pid)
     try:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        os.setsid()
-        flags = (CLONE_NEWNET if caps["netns"] else 0) | (CLONE_NEWPID if caps["pidns"] else 0)
-        if caps["mountns"]:
-            flags |= CLONE_NEWNS
-        if flags:
-            _unshare(flags)
-        os.write(status_w, b"P" + struct.pack("<q", os.getpid()))
-        cgroup = caps.get("pids_cgroup")
-        mine = None
-        if cgroup:
-            # A cap per call, so that one call's fork bomb cannot starve the others.
-            mine = os.path.join(cgroup, f"call-{os.getpid()}")
-            try:
-                os.mkdir(mine)
-                _write(os.path.join(mine, "pids.max"), str(req["limits"]["processes"] + 3))
-                _write(os.path.join(mine, "cgroup.procs"), str(os.getpid()))
-            except OSError:
-                mine = None
-        for fd in fds:
-            os.set_inheritable(fd, False)  # the init must hold none of the call's pipes
-        init = None
-        if caps["pidns"]:
-            # The first process in a pid namespace is its init: a tiny exec'd `sleep` (cheap to
-            # start, unlike a fork of this big process). It outlives the program; killing it
-            # makes the kernel kill everything left in the namespace.
-            init = os.posix_spawn(caps["init"], [caps["init"], "100000"], {}, setsigdef=(
-                signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD))  # fmt: skip
-        pid = os.fork()
-        if pid == 0:
-            if caps["mountns"]:
-                _lock_down_mounts(req["home"])
-            _program(req, fds, drop_to, caps)
-        for fd in fds[:2]:
-            os.close(fd)
+        deadline = time.monotonic() + timeout_s
         while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return END_TIMEOUT, False
+            ready, _, _ = select.select([pidfd, sock], [], [], left)
+            if pidfd in ready:
+                return END_EXITED, False
+            if sock in ready:
+                message = sock.recv(64)
+                if message == kill:
+                    return END_KILLED, False
+                if not message:
+                    return END_KILLED, True
+    finally:
+        os.close(pidfd)
+
+
+def _children(parent: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
             try:
-                _, status = os.waitpid(pid, 0)
-                break
-            except InterruptedError:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
                 continue
-        os.write(status_w, b"S" + struct.pack("<i", status))
-        if init is not None:
-            os.kill(init, signal.SIGKILL)
-            os.waitpid(init, 0)  # returns once the kernel has emptied the namespace
-        if mine is not None:
-            _write(os.path.join(cgroup, "cgroup.procs"), str(os.getpid()))
-            os.rmdir(mine)
+            if int(fields[1]) == parent:
+                found.append(int(entry))
+    return found
+
+
+def _end_all(program: int, pidns: bool) -> int | None:
+    """Kill everything the call started and reap it; X's wait status."""
+    if pidns:
+        # From a namespace's init, kill(-1) reaches every other process in the namespace, and
+        # nothing outside it: setsid() and double-fork escapes included.
+        os.kill(-1, signal.SIGKILL)
+    else:
+        try:
+            os.killpg(program, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    status = None
+    while True:
+        try:
+            pid, wait_status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            if pidns:
+                break
+            # Without a pid namespace, escapes that left X's group are found as our children
+            # (we are their subreaper) and killed in rounds.
+            rest = _children(os.getpid())
+            if not rest:
+                break
+            for pid in rest:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            continue
+        if pid == program:
+            status = wait_status
+    return status
+
+
+def _empty(directory: str) -> None:
+    for entry in os.scandir(directory):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(entry.path)
+            except OSError:
+                pass
+
+
+def _cell(sock: socket.socket, spec: dict, caps: dict) -> None:
+    """I's life: set up the cell's view once, then run calls one after another. Never returns."""
+    try:
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        # As in a fresh interpreter (X inherits it); for I, a closed status pipe is an error
+        # to handle, not a reason to die.
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        pidns = caps["pidns"]
+        if not pidns:
+            _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        if caps["mountns"]:
+            _set_up_filesystem(spec["dir"], spec["pool"], spec["package_root"], caps["root"])
+        report: dict = {"ready": True}
+        drop_to = None
+        if caps["root"]:
+            ok, bad = _nobody_can_import(spec["package_root"])
+            report.update(drop_privileges=ok, drop_privileges_blocked_by=bad)
+            drop_to = NOBODY if ok else None
+        vm_base = _vm_size()
+        shm = "/dev/shm" if caps["mountns"] and os.path.isdir("/dev/shm") else None
+        sock.send(json.dumps(report).encode())
+        while True:
+            message, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)
+            if not message:
+                return  # the server is gone
+            if message.startswith(b"K") or len(fds) != 3:
+                for fd in fds:
+                    os.close(fd)
+                continue  # a kill that arrived after its call ended
+            if not _run_call(sock, json.loads(message), fds, drop_to, vm_base, pidns, shm,
+                             bool(spec.get("cgroup"))):  # fmt: skip
+                return
+    except BaseException:
+        traceback.print_exc()
     finally:
         os._exit(0)
 
 
-def _write(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
+def _run_call(sock: socket.socket, req: dict, fds: list[int], drop_to: int | None, vm_base: int,
+              pidns: bool, shm: str | None, cgroup: bool) -> bool:  # fmt: skip
+    """One call in I; False when the server hung up meanwhile."""
+    status_w = fds[2]
+    home = req["home"]
+    try:
+        os.mkdir(home, 0o700)
+        if drop_to is not None:
+            os.chown(home, drop_to, drop_to)
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            os.write(status_w, b"E" + f"{type(exc).__name__}: {exc}".encode()[:200])
+            return True
+        if pid == 0:
+            _program(req, fds, drop_to, vm_base, cgroup)
+        os.close(fds[0])
+        os.close(fds[1])
+        why, hung_up = _await_program(pid, sock, req)
+        status = _end_all(pid, pidns)
+        shutil.rmtree(home, ignore_errors=True)
+        if shm:
+            _empty(shm)
+        os.write(status_w, b"S" + struct.pack("<iB", -1 if status is None else status, why))
+        return not hung_up
+    finally:
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+# ------------------------------------------------------------------------------------------------
+# The template (T)
+
+
+def _start_cell(spec: dict, caps: dict, processes: int) -> tuple[dict, socket.socket]:
+    """Fork C, which makes the namespaces and forks I; returns pids and the server's socket."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    r, w = os.pipe()
+    cell_pid = os.fork()
+    if cell_pid == 0:
+        try:
+            ours.close()
+            os.close(r)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            pool_cgroup = caps.get("pids_cgroup")
+            if pool_cgroup:
+                # C, I, X and what X starts: one cap per cell, so that one call's fork bomb
+                # cannot starve the other cells.
+                mine = os.path.join(pool_cgroup, f"cell-{os.getpid()}")
+                os.mkdir(mine)
+                _write(os.path.join(mine, "pids.max"), str(processes + 3))
+                _write(os.path.join(mine, "cgroup.procs"), str(os.getpid()))
+            flags = CLONE_NEWNET if caps["netns"] else 0
+            flags |= CLONE_NEWPID if caps["pidns"] else 0
+            flags |= CLONE_NEWNS if caps["mountns"] else 0
+            if flags:
+                _unshare(flags)
+            init = os.fork()
+            if init == 0:
+                os.close(w)
+                _cell(theirs, {**spec, "cgroup": pool_cgroup}, caps)
+            theirs.close()
+            os.write(w, struct.pack("<q", init))
+            os.close(w)
+            while True:
+                try:
+                    os.waitpid(init, 0)
+                    break
+                except InterruptedError:
+                    continue
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(0)
+    theirs.close()
+    os.close(w)
+    data = os.read(r, 8)
+    os.close(r)
+    if len(data) != 8:
+        ours.close()
+        raise RuntimeError("the cell died while starting")
+    (init,) = struct.unpack("<q", data)
+    return {"cell_pid": cell_pid, "pid": init}, ours
 
 
 def serve(sock: socket.socket, workers: int, processes: int) -> None:
@@ -411,22 +627,16 @@ def serve(sock: socket.socket, workers: int, processes: int) -> None:
         "mountns": _probe(CLONE_NEWPID | CLONE_NEWNS),
         "root": os.geteuid() == 0,
     }
-    caps["init"] = shutil.which("sleep")
-    caps["pidns"] = caps["pidns"] and caps["init"] is not None
     caps["mountns"] = caps["mountns"] and caps["pidns"]
-    drop_to = None
     if caps["root"]:
-        ok, bad = _nobody_can_import()
-        caps["drop_privileges"] = ok
-        caps["drop_privileges_blocked_by"] = bad
-        drop_to = NOBODY if ok else None
-        # Each call holds W, U and X plus what the program starts; root ignores RLIMIT_NPROC.
-        # Per call: W, init, X and `processes` more; twice over for calls still being torn down.
-        caps["pids_cgroup"] = _join_pids_cgroup(16 + 2 * workers * (3 + processes))
+        # Every cell's cap, twice over for cells still being torn down, and some slack.
+        caps["pids_cgroup"] = _make_pids_cgroup(
+            f"rstar2-sandbox-{os.getpid()}", 16 + 2 * workers * (3 + processes)
+        )
     sock.send(json.dumps({"ready": True, "pid": os.getpid(), **caps}).encode())
 
     cgroup = caps.get("pids_cgroup")
-    stale: set[str] = set()  # per-call cgroups whose warden died before removing them
+    stale: set[str] = set()  # cell cgroups whose processes are still being torn down
 
     def reap() -> None:
         while True:
@@ -437,14 +647,14 @@ def serve(sock: socket.socket, workers: int, processes: int) -> None:
             if pid == 0:
                 break
             if cgroup:
-                stale.add(os.path.join(cgroup, f"call-{pid}"))
+                stale.add(os.path.join(cgroup, f"cell-{pid}"))
         for path in list(stale):
             try:
                 os.rmdir(path)
             except FileNotFoundError:
                 pass
             except OSError:
-                continue  # still has processes being killed; next round
+                continue
             stale.discard(path)
 
     while True:
@@ -453,30 +663,21 @@ def serve(sock: socket.socket, workers: int, processes: int) -> None:
         if not ready:
             continue
         try:
-            msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)
+            message = sock.recv(1 << 16)
         except InterruptedError:
             continue
-        if not msg:
+        if not message:
             return  # the server closed its end
         try:
-            req = json.loads(msg)
-            if len(fds) != 3:
-                raise ValueError(f"expected 3 descriptors, got {len(fds)}")
-            pid = os.fork()
-            if pid == 0:
-                sock.close()
-                _warden(req, fds, caps, drop_to)
+            info, cell_sock = _start_cell(json.loads(message), caps, processes)
         except Exception as exc:
-            # Tell the server at once (e.g. the fork hit the process cap) instead of letting it
-            # mistake this for a dead template.
-            try:
-                os.write(fds[2], b"E" + f"{type(exc).__name__}: {exc}".encode()[:200])
-            except (OSError, IndexError):
-                pass
             traceback.print_exc()
+            sock.send(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
+            continue
+        try:
+            socket.send_fds(sock, [json.dumps(info).encode()], [cell_sock.fileno()])
         finally:
-            for fd in fds:
-                os.close(fd)
+            cell_sock.close()
 
 
 def main() -> None:

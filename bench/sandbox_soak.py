@@ -1,0 +1,134 @@
+"""Soak test of the sandbox service (not in the default suite): many calls, none lost or
+duplicated, and the service's memory flat.
+
+Starts a real `SandboxService` on 127.0.0.1, sends `--calls` programs through `SandboxClient`
+(`--in-flight` at once, in batches of `--batch`), and checks that each answer is its own
+request's (every program echoes its index). Prints the resident memory (RSS) of the server and of
+the template and cells at the start, after every tenth of the calls, and at the end.
+
+    .venv/bin/python bench/sandbox_soak.py                       # 100,000 calls, ~10 min on 2 cores
+    .venv/bin/python bench/sandbox_soak.py --calls 5000
+"""
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tasks.sandbox.client import SandboxClient  # noqa: E402
+from tasks.sandbox.server import SandboxService  # noqa: E402
+from tasks.sandbox.status import ToolStatus  # noqa: E402
+
+# A mix of what rollouts send: plain arithmetic, an exception, a sympy call, printing.
+PROGRAMS = (
+    "x = {i} * 3\nprint(x // 3)",
+    "import math\nprint(math.factorial(20) % 7 + {i} - {i}, end='')\nprint()\nprint({i})",
+    "try:\n    1 / 0\nexcept ZeroDivisionError:\n    pass\nprint({i})",
+    "import sympy\nprint(sympy.isprime(97))\nprint({i})",
+)
+
+
+def rss_mb(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def stats(url: str) -> dict:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(url + "/stats", timeout=10) as response:
+        return json.load(response)
+
+
+def memory(box: SandboxService) -> dict:
+    template = stats(box.url)["template"] or {}
+    return {
+        "server_mb": rss_mb(box._process.pid if box._process else None),
+        "template_mb": rss_mb(template.get("pid")),
+        "cells_mb": [round(rss_mb(pid), 1) for pid in template.get("cells", [])],
+    }
+
+
+async def soak(box: SandboxService, calls: int, in_flight: int, batch: int) -> dict:
+    answers = [0] * calls
+    wrong: list[str] = []
+    samples = [("start", 0, memory(box))]
+    gate = asyncio.Semaphore(max(1, in_flight // batch))
+    checkpoint = max(1, calls // 10)
+    done = 0
+    progress = tqdm(total=calls, unit="call", desc="soak")
+
+    async with SandboxClient([box.url], timeout_s=600, retries=20, batch_size=batch) as client:
+
+        async def chunk(start: int) -> None:
+            nonlocal done
+            indices = range(start, min(calls, start + batch))
+            async with gate:
+                results = await client.execute_batch(
+                    [(PROGRAMS[i % len(PROGRAMS)].format(i=i), "") for i in indices]
+                )
+            for i, result in zip(indices, results):
+                answers[i] += 1
+                if result.status != ToolStatus.OK or not result.stdout.endswith(f"{i}\n"):
+                    wrong.append(f"#{i}: {result.status.value} {result.stderr[-200:]!r}")
+            before = done
+            done += len(indices)
+            progress.update(len(indices))
+            if done // checkpoint != before // checkpoint:
+                samples.append(("calls", done, memory(box)))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(chunk(s) for s in range(0, calls, batch)))
+        elapsed = time.perf_counter() - started
+    progress.close()
+    samples.append(("end", calls, memory(box)))
+    return {
+        "elapsed_s": elapsed,
+        "lost": sum(1 for a in answers if a == 0),
+        "duplicated": sum(1 for a in answers if a > 1),
+        "wrong": wrong,
+        "samples": samples,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=100_000)
+    parser.add_argument("--in-flight", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=32, help="calls per /execute_batch request")
+    parser.add_argument("--workers", type=int, default=4)
+    args = parser.parse_args()
+
+    with SandboxService(workers=args.workers, max_queue=args.in_flight + 64) as box:
+        report = asyncio.run(soak(box, args.calls, args.in_flight, args.batch))
+        ran = stats(box.url)["done"]
+
+    print(f"\n{args.calls} calls in {report['elapsed_s']:.0f} s "
+          f"({args.calls / report['elapsed_s']:.1f}/s); server ran {ran}")  # fmt: skip
+    print(f"{'when':>10} {'server MB':>10} {'template MB':>12}  cells MB")
+    for label, n, mem in report["samples"]:
+        when = label if label != "calls" else f"{n}"
+        print(f"{when:>10} {mem['server_mb']:>10.1f} {mem['template_mb']:>12.1f}  {mem['cells_mb']}")
+    print(f"lost {report['lost']}, duplicated {report['duplicated']}, "
+          f"wrong answers {len(report['wrong'])}")  # fmt: skip
+    for line in report["wrong"][:10]:
+        print("  " + line)
+    if report["lost"] or report["duplicated"] or report["wrong"] or ran != args.calls:
+        sys.exit("soak FAILED")
+
+
+if __name__ == "__main__":
+    main()
