@@ -1,0 +1,353 @@
+"""Discrete-event simulation of one paper-scale RL step's rollouts: KV-aware vs static scheduling.
+
+64 engines, 512 prompts x 32 rollouts, heavy-tailed multi-turn rollouts with tool calls whose
+latencies are drawn from measured sandbox latencies. Both runs use the scheduler code of the
+real rollout loop (tasks/rollout/scheduler.py) on the same sampled rollouts; only the engine is
+modelled. For each KV-cache size (a sweep: how much memory the engines get depends on the
+model, the GPU and on what shares it, e.g. a colocated trainer) prints makespan, engine idle fraction, preemptions (running rollouts evicted from the
+KV cache, recomputed later) and prefix evictions (a rollout waiting on its tool lost its cached
+KV and recomputes it on its next turn), and recomputed tokens.
+
+The engine model, one vLLM engine per GPU (assumptions, with where the numbers come from):
+- KV cache: Qwen3-14B in bf16 keeps 40 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes =
+  160 KiB per token; ~140 GB of an MI300X's 192 GB after the 28 GB of weights -> 850K tokens.
+- A decode step costs a fixed part (reading the 28 GB of weights at ~4 TB/s: ~7 ms, plus
+  overhead), a small part per running sequence, and reading each running sequence's KV (160 KiB
+  per context token at ~4 TB/s). Prefill (new or recomputed tokens) costs 2 x 14e9 FLOPs per
+  token at ~240 TFLOP/s effective.
+- Like vLLM, an engine admits queued requests while their current KV fits (at most
+  max_num_seqs running). When the running ones outgrow the cache it first drops cached prefixes
+  of rollouts waiting on a tool (least recently used), then preempts the latest-admitted
+  running rollout; both recompute their whole context when they run again.
+- A rollout's turn ends its request; while its tool runs, its KV stays in the prefix cache (so
+  the next turn only prefills the tool response) unless evicted.
+
+Rollouts (stage 1 of the paper: 8K response budget shared by all turns, T = 10 turns): prompt
+lognormal (median 500 tokens), turns lognormal (median 350 tokens, sigma 1.0), tool responses
+lognormal (median 60 tokens), another turn after each with probability 0.65; tool latency drawn
+from `--tool-latencies` (a file with one latency in seconds per line, e.g. exported from the
+rollouts table) or by default from the latencies bench/sandbox_bench.py measured on 2 cores
+(p50 12 ms for small programs, 38 ms for sympy, 1 s loops, 4 s timeouts; mixture below).
+
+    .venv/bin/python bench/scheduler_sim.py              # ~20 s
+    .venv/bin/python bench/scheduler_sim.py --engines 8 --prompts 64 --kv-tokens 300000
+"""
+
+import argparse
+import heapq
+import random
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tasks.rollout.scheduler import make_scheduler  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Hardware:
+    kv_tokens: int = 850_000
+    max_num_seqs: int = 256
+    step_base_s: float = 0.010
+    step_per_seq_s: float = 5e-5
+    step_per_context_token_s: float = 4e-8
+    prefill_per_token_s: float = 1.2e-4
+    max_chunk_steps: int = 16  # admit arrivals (tool results) at least this often
+
+
+# (share, median s, sigma): small programs, sympy, 1 s CPU loops, 4 s timeouts (sandbox bench).
+DEFAULT_TOOL_LATENCY = ((0.70, 0.012, 0.4), (0.25, 0.038, 0.3), (0.03, 1.02, 0.05), (0.02, 4.0, 0.0))
+
+
+@dataclass
+class Rollout:
+    prompt: int
+    turns: list[int]  # tokens generated per assistant turn
+    tools: list[tuple[int, float]]  # (response tokens, latency s) after each turn but the last
+    # simulation state
+    turn: int = 0
+    context: int = 0  # tokens of the sequence so far (valid while not running)
+    resident: int = 0  # of those, how many are in the engine's KV cache
+    engine: int = -1
+    admit_tick: int = 0
+    admit_context: int = 0
+    version: int = 0  # bumps on preemption, to skip its stale entry in the finish heap
+    last_used: float = 0.0
+
+
+def sample_rollouts(n: int, max_response: int, max_turns: int, turn_median: int,
+                    latencies: list[float] | None, seed: int) -> list[Rollout]:  # fmt: skip
+    rng = random.Random(seed)
+
+    def tool_latency() -> float:
+        if latencies:
+            return rng.choice(latencies)
+        u, acc = rng.random(), 0.0
+        for share, median, sigma in DEFAULT_TOOL_LATENCY:
+            acc += share
+            if u <= acc:
+                return median * rng.lognormvariate(0, sigma) if sigma else median
+        return DEFAULT_TOOL_LATENCY[-1][1]
+
+    rollouts = []
+    for _ in range(n):
+        prompt = int(500 * rng.lognormvariate(0, 0.3))
+        turns: list[int] = []
+        tools: list[tuple[int, float]] = []
+        used = 0
+        while True:
+            tokens = max(1, min(int(turn_median * rng.lognormvariate(0, 1.0)), max_response - used))
+            turns.append(tokens)
+            used += tokens
+            if len(turns) >= max_turns or used >= max_response or rng.random() > 0.65:
+                break
+            response = min(int(60 * rng.lognormvariate(0, 0.8)) + 1, max_response - used)
+            if response <= 0 or used + response >= max_response:
+                break
+            tools.append((response, tool_latency()))
+            used += response
+        rollouts.append(Rollout(prompt, turns, tools, context=prompt))
+    return rollouts
+
+
+@dataclass
+class Engine:
+    hw: Hardware
+    queue: deque = field(default_factory=deque)  # rollouts ready for their next turn
+    running: dict = field(default_factory=dict)  # rollout id -> None, in admission order
+    finish_heap: list = field(default_factory=list)  # (end tick, version, rollout id)
+    tool_wait: dict = field(default_factory=dict)  # rollout id -> None, least recently used first
+    tick: int = 0  # decode steps taken
+    used: int = 0  # KV tokens held: running contexts + cached prefixes of tool waiters
+    running_context: int = 0
+    busy: bool = False
+    busy_s: float = 0.0
+    preemptions: int = 0
+    prefix_evictions: int = 0
+    recomputed_tokens: int = 0
+
+
+class Simulation:
+    def __init__(self, rollouts: list[Rollout], n_engines: int, hw: Hardware, policy: str,
+                 max_rollout_tokens: int) -> None:  # fmt: skip
+        self.rollouts = rollouts
+        self.hw = hw
+        self.engines = [Engine(hw) for _ in range(n_engines)]
+        self.scheduler = make_scheduler(
+            policy, [hw.kv_tokens] * n_engines, max_rollout_tokens, range(len(rollouts))
+        )
+        self.events: list = []
+        self.seq = 0
+        self.done = 0
+        self.now = 0.0
+
+    def push(self, at: float, kind: str, payload: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (at, self.seq, kind, payload))
+
+    def context_of(self, rid: int, engine: Engine) -> int:
+        r = self.rollouts[rid]
+        return r.admit_context + (engine.tick - r.admit_tick)
+
+    def wake(self, e: int) -> None:
+        if not self.engines[e].busy:
+            self.engines[e].busy = True
+            self.push(self.now, "engine", e)
+
+    def dispatch(self) -> None:
+        for rid, e in self.scheduler.admit():
+            self.rollouts[rid].engine = e
+            self.engines[e].queue.append(rid)
+            self.wake(e)
+
+    def evict_prefix(self, engine: Engine) -> bool:
+        """Drop the least recently used cached prefix of a rollout that is not running."""
+        if not engine.tool_wait:
+            return False
+        rid = next(iter(engine.tool_wait))
+        del engine.tool_wait[rid]
+        r = self.rollouts[rid]
+        engine.used -= r.resident
+        engine.recomputed_tokens += r.resident
+        r.resident = 0
+        engine.prefix_evictions += 1
+        return True
+
+    def preempt(self, engine: Engine) -> None:
+        rid, _ = engine.running.popitem()  # the latest admitted, as vLLM does
+        r = self.rollouts[rid]
+        context = self.context_of(rid, engine)
+        r.turns[r.turn] -= context - r.admit_context  # the part of the turn already generated
+        r.context, r.version = context, r.version + 1
+        engine.running_context -= context
+        engine.used -= context
+        engine.recomputed_tokens += context
+        r.resident = 0
+        engine.preemptions += 1
+        engine.queue.appendleft(rid)
+
+    def admit_queued(self, engine: Engine) -> int:
+        """Start queued turns whose KV fits; the tokens to prefill."""
+        prefill = 0
+        while engine.queue and len(engine.running) < self.hw.max_num_seqs:
+            rid = engine.queue[0]
+            r = self.rollouts[rid]
+            need = r.context - r.resident + 1
+            while engine.used + need > self.hw.kv_tokens and self.evict_prefix(engine):
+                need = r.context - r.resident + 1
+            if engine.used + need > self.hw.kv_tokens:
+                break
+            engine.queue.popleft()
+            engine.tool_wait.pop(rid, None)
+            new = r.context - r.resident
+            prefill += new
+            engine.used += new
+            r.resident = r.context
+            r.admit_tick, r.admit_context = engine.tick, r.context
+            engine.running[rid] = None
+            engine.running_context += r.context
+            heapq.heappush(engine.finish_heap, (engine.tick + r.turns[r.turn], r.version, rid))
+        return prefill
+
+    def run_chunk(self, e: int) -> None:
+        engine = self.engines[e]
+        prefill = self.admit_queued(engine)
+        if not engine.running:
+            assert not engine.queue, "an idle engine left a queued rollout waiting (KV leak)"
+            engine.busy = False
+            return
+        while True:
+            n = len(engine.running)
+            while engine.finish_heap:
+                end, version, rid = engine.finish_heap[0]
+                if rid in engine.running and self.rollouts[rid].version == version:
+                    break
+                heapq.heappop(engine.finish_heap)  # stale: that rollout was preempted
+            to_turn_end = engine.finish_heap[0][0] - engine.tick
+            to_full = (self.hw.kv_tokens - engine.used) // n
+            if to_full >= 1 or n == 0:
+                break
+            if not self.evict_prefix(engine):
+                self.preempt(engine)
+            if not engine.running:
+                engine.busy = False
+                return
+        k = max(1, min(to_turn_end, to_full, self.hw.max_chunk_steps))
+        step_s = (self.hw.step_base_s + self.hw.step_per_seq_s * n
+                  + self.hw.step_per_context_token_s * (engine.running_context + n * k / 2))  # fmt: skip
+        duration = prefill * self.hw.prefill_per_token_s + k * step_s
+        engine.tick += k
+        engine.used += n * k
+        engine.running_context += n * k
+        engine.busy_s += duration
+        self.push(self.now + duration, "engine", e)
+
+    def end_turns(self, e: int) -> None:
+        engine = self.engines[e]
+        while engine.finish_heap and engine.finish_heap[0][0] <= engine.tick:
+            _, version, rid = heapq.heappop(engine.finish_heap)
+            r = self.rollouts[rid]
+            if rid not in engine.running or r.version != version:
+                continue
+            del engine.running[rid]
+            context = self.context_of(rid, engine)
+            engine.running_context -= context
+            r.context = r.resident = context
+            if r.turn < len(r.tools):
+                engine.tool_wait[rid] = None  # its KV stays cached while the tool runs
+                self.push(self.now + r.tools[r.turn][1], "tool", rid)
+            else:
+                engine.used -= r.resident
+                r.resident = 0
+                self.done += 1
+                self.scheduler.finish(rid)
+
+    def run(self) -> dict:
+        self.dispatch()
+        progress = tqdm(total=len(self.rollouts), unit="rollout", leave=False, disable=None)
+        while self.events:
+            self.now, _, kind, payload = heapq.heappop(self.events)
+            if kind == "engine":
+                before = self.done
+                self.end_turns(payload)
+                if self.done != before:
+                    progress.update(self.done - before)
+                    self.dispatch()
+                self.run_chunk(payload)
+            else:  # a tool answered: the rollout's next turn
+                r = self.rollouts[payload]
+                engine = self.engines[r.engine]
+                if engine.tool_wait.pop(payload, "evicted") is None:
+                    engine.tool_wait[payload] = None  # its cached prefix: most recently used now
+                r.context += r.tools[r.turn][0]
+                r.turn += 1
+                engine.queue.append(payload)
+                self.wake(r.engine)
+        progress.close()
+        assert self.done == len(self.rollouts), (self.done, len(self.rollouts))
+        makespan = self.now
+        return {
+            "makespan_s": makespan,
+            "idle_fraction": 1 - sum(e.busy_s for e in self.engines) / (makespan * len(self.engines)),
+            "preemptions": sum(e.preemptions for e in self.engines),
+            "prefix_evictions": sum(e.prefix_evictions for e in self.engines),
+            "recomputed_tokens": sum(e.recomputed_tokens for e in self.engines),
+        }
+
+
+def simulate(policy: str, args: argparse.Namespace, hw: Hardware) -> dict:
+    latencies = None
+    if args.tool_latencies:
+        latencies = [float(x) for x in Path(args.tool_latencies).read_text().split()]
+    rollouts = sample_rollouts(args.prompts * args.samples, args.max_response, args.max_turns,
+                               args.turn_median, latencies, args.seed)  # fmt: skip
+    max_rollout = max(r.prompt for r in rollouts) + args.max_response
+    started = time.perf_counter()
+    result = Simulation(rollouts, args.engines, hw, policy, max_rollout).run()
+    result["sim_s"] = time.perf_counter() - started
+    result["slots_per_engine"] = hw.kv_tokens // max_rollout
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--engines", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=512)
+    parser.add_argument("--samples", type=int, default=32, help="rollouts per prompt (2G)")
+    parser.add_argument("--max-response", type=int, default=8192)
+    parser.add_argument("--max-turns", type=int, default=10)
+    parser.add_argument("--turn-median", type=int, default=900, help="tokens per turn (median)")
+    parser.add_argument("--kv-tokens", default="850000,500000,300000,200000",
+                        help="KV-cache sizes per engine (tokens) to compare at, comma-separated")
+    parser.add_argument("--tool-latencies", default=None, help="file: one latency (s) per line")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    lengths = sorted(sum(r.turns) + sum(t for t, _ in r.tools) for r in sample_rollouts(
+        args.prompts * args.samples, args.max_response, args.max_turns, args.turn_median, None,
+        args.seed))  # fmt: skip
+    print(f"{args.engines} engines, {args.prompts} x {args.samples} rollouts, budget "
+          f"{args.max_response} response tokens, T = {args.max_turns}; response tokens per "
+          f"rollout: mean {sum(lengths) / len(lengths):.0f}, p50 {lengths[len(lengths) // 2]}, "
+          f"p99 {lengths[int(0.99 * len(lengths))]}, "
+          f"{sum(n >= args.max_response for n in lengths) / len(lengths):.0%} at the budget")  # fmt: skip
+    print(f"{'KV tokens':>9} {'policy':<9} {'slots':>5} {'makespan s':>11} {'idle':>6} "
+          f"{'preempted':>9} {'prefix evicted':>14} {'recomputed tok':>14} {'vs static':>10}")  # fmt: skip
+    for kv in (int(x) for x in args.kv_tokens.split(",")):
+        hw = Hardware(kv_tokens=kv)
+        results = {policy: simulate(policy, args, hw) for policy in ("static", "kv_aware")}
+        for name, r in results.items():
+            gain = 1 - r["makespan_s"] / results["static"]["makespan_s"]
+            slots = r["slots_per_engine"] if name == "kv_aware" else "-"
+            print(f"{kv:>9} {name:<9} {slots:>5} {r['makespan_s']:>11.1f} "
+                  f"{r['idle_fraction']:>6.1%} {r['preemptions']:>9} {r['prefix_evictions']:>14} "
+                  f"{r['recomputed_tokens']:>14} {gain:>+10.1%}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
