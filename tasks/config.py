@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class _Strict(BaseModel):
@@ -81,6 +81,10 @@ class EngineConfig(_Strict):
     tensor_parallel_size: int = 1
     max_num_seqs: int = 256
     gpu_memory_utilization: float = 0.85  # used on GPUs only
+    count: int = Field(1, ge=1)  # engines; more than one run in worker processes
+    # kv_aware: admit per engine only what its KV cache holds at full length (the paper's
+    # scheduler, never released); static: split every rollout evenly up front (the baseline).
+    scheduler: Literal["kv_aware", "static"] = "kv_aware"
 
 
 class SandboxConfig(_Strict):

@@ -77,8 +77,11 @@ def sync_weights(runtime: Runtime, batch: TrainingBatch, probe_size: int = 2) ->
     metrics = {"time_sync_s": time.perf_counter() - started}
     probe = batch.samples[:probe_size]
     if probe:
-        engine_view = runtime.engine.prompt_logprobs([s.token_ids for s in probe])
-        metrics["sync_logprob_gap"] = max_logprob_gap(engine_view, runtime.trainer.token_logprobs(probe))
+        trainer_view = runtime.trainer.token_logprobs(probe)
+        metrics["sync_logprob_gap"] = max(  # the worst engine: every one must have the new weights
+            max_logprob_gap(engine_view, trainer_view)
+            for engine_view in runtime.engine.prompt_logprobs([s.token_ids for s in probe])
+        )
     return metrics
 
 
@@ -103,7 +106,8 @@ def record_step(ctx: RunContext, stage_run_id: str, stage: StageConfig, step: in
     metrics.update(batch.roc.metrics(prefix="roc/"))
     metrics.update({"kept": sum(batch.kept), "dropped": len(batch.kept) - sum(batch.kept),
                     "time_rollout_s": times.total_s, "time_tool_wait_s": times.tool_wait_s,
-                    "time_tool_exec_s": times.tool_exec_s})
+                    "time_tool_exec_s": times.tool_exec_s, "engine_idle_fraction": times.engine_idle_fraction,
+                    "engine_preemptions": times.preemptions})
     metrics.update(update)
     ctx.tracker.log_metrics(stage_run_id, metrics, step)
     rows = [{"run_id": ctx.run_id, "stage": stage.name, "step": step, "metric": k, "value": float(v)}

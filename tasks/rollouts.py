@@ -32,7 +32,8 @@ class Rollouts:
 @task(cache_policy=NO_CACHE)
 def roll_out(runtime: Runtime, problems: list[Problem], samples: int, spec: RolloutSpec, desc: str) -> Rollouts:
     pairs = [(p.problem_id, p.question) for p in problems]
-    trajectories, times = run_rollouts(runtime.engine, runtime.tools, runtime.tokenizer, pairs, samples, spec, desc)
+    trajectories, times = run_rollouts(runtime.engine, runtime.tools, runtime.tokenizer, pairs, samples, spec, desc,
+                                      runtime.cfg.engine.scheduler)
     return Rollouts(problems, trajectories, times)
 
 

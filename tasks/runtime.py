@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 from tasks.config import RunConfig
 from tasks.reward.verify import Verifier
 from tasks.rollout.agent import ToolRunner
-from tasks.rollout.engine import Engine, weights_from_dir
+from tasks.rollout.engine import weights_from_dir
+from tasks.rollout.pool import EnginePool
 from tasks.sandbox.executor import Limits
 from tasks.sandbox.server import SandboxService
 from tasks.train.trainer import Trainer
@@ -43,7 +44,7 @@ class Runtime:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.sandbox: SandboxService | None = None
         self.tools: ToolRunner | None = None
-        self.engine: Engine | None = None
+        self.engine: EnginePool | None = None
         self.verifier: Verifier | None = None
         self.trainer: Trainer | None = None
 
@@ -59,7 +60,7 @@ class Runtime:
             urls = [self.sandbox.url]
         self.tools = ToolRunner(urls)
         self.verifier = Verifier()
-        self.engine = Engine(self.model_dir, self.cfg.engine, self.cfg.seed, self.cfg.model.dtype).start()
+        self.engine = EnginePool(self.model_dir, self.cfg.engine, self.cfg.seed, self.cfg.model.dtype).start()
         return self
 
     def __exit__(self, *exc) -> None:

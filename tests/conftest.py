@@ -11,3 +11,19 @@ os.environ["DO_NOT_TRACK"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """An untrained tiny model (tokenizer fitted on generated problems), shared by the engine tests."""
+    from tasks.config import TinyModelConfig
+    from tasks.data.problems import generate_problems
+    from tasks.train.tiny_model import build_tiny_model
+
+    problems = generate_problems(64, [1, 2], seed=0)
+    corpus = [p.question + "\n" + p.solution_code for p in problems]
+    cfg = TinyModelConfig(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=256)
+    return build_tiny_model(cfg, corpus, seed=0, out_dir=tmp_path_factory.mktemp("model"))

@@ -1,9 +1,10 @@
 """The multi-turn agent loop: generate until a tool call, run it, feed the result back.
 
 Every trajectory advances independently: when a turn finishes with a tool call, the call goes
-to the sandbox at once and the engine keeps serving the other trajectories; when the result
-arrives, the continuation is submitted as a new request on the exact token ids so far (the
-earlier turns are served from the prefix cache).
+to the sandbox at once and the engines keep serving the other trajectories; when the result
+arrives, the continuation is submitted as a new request on the exact token ids so far, to the
+same engine (the earlier turns are served from its prefix cache). Which engine serves a
+trajectory, and when it starts, is the scheduler's call (tasks/rollout/scheduler.py).
 
 Invalid model output never raises: a malformed tool call is answered with the parse error as
 the tool response (recipe.md section 2), a missing answer or a runaway length ends the
@@ -20,7 +21,8 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from tasks.rollout.engine import Engine
+from tasks.rollout.pool import EnginePool
+from tasks.rollout.scheduler import make_scheduler
 from tasks.rollout.format import (
     ANSWER_OPEN,
     TOOL_CALL_CLOSE,
@@ -139,31 +141,45 @@ class ToolRunner:
 @dataclass
 class RolloutTimes:
     total_s: float = 0.0
-    tool_wait_s: float = 0.0  # wall time the engine sat idle waiting for tool results
+    tool_wait_s: float = 0.0  # wall time no engine had work, waiting for tool results
     tool_exec_s: float = 0.0  # summed sandbox latency of all calls
+    engine_idle_fraction: float = 0.0  # of the engines' time during the batch, spent idle
+    preemptions: int = 0  # rollouts evicted from an engine's KV cache (recomputed later)
 
 
 def run_rollouts(
-    engine: Engine,
+    pool: EnginePool,
     tools: ToolRunner,
     tokenizer,
     problems: list[tuple[str, str]],
     samples_per_problem: int,
     spec: RolloutSpec,
     desc: str = "rollouts",
+    policy: str = "kv_aware",
 ) -> tuple[list[Trajectory], RolloutTimes]:
-    """Roll out `samples_per_problem` trajectories for each (problem_id, question)."""
+    """Roll out `samples_per_problem` trajectories for each (problem_id, question) on the pool,
+    engines chosen by the scheduler `policy` (tasks/rollout/scheduler.py)."""
     started = time.perf_counter()
     times = RolloutTimes()
+    busy_before = pool.stats()
     tool_call_close = tokenizer.convert_tokens_to_ids(TOOL_CALL_CLOSE)
-    max_model_len = engine.cfg.max_model_len
+    max_model_len = pool.cfg.max_model_len
     trajectories: list[Trajectory] = []
     for problem_id, question in problems:
         prompt_ids = tokenizer(prompt_text(question, spec.tool_name, spec.tool_spec), add_special_tokens=False)["input_ids"]
         trajectories += [Trajectory(problem_id, s, prompt_ids) for s in range(samples_per_problem)]
+    longest = max((len(t.prompt_ids) for t in trajectories), default=0)
+    scheduler = make_scheduler(policy, pool.kv_tokens, min(max_model_len, longest + spec.max_response_tokens),
+                               range(len(trajectories)))
+    engine_of: dict[int, int] = {}
+    generating: set[int] = set()
+    pending_tools: dict[int, tuple[Future, float]] = {}
+    progress = tqdm(total=len(trajectories), desc=desc, leave=False, disable=None)
+    finished = 0
 
-    def submit_turn(index: int) -> bool:
-        """Ask the engine for the next assistant turn; False when no budget is left."""
+    def submit_turn(index: int) -> None:
+        """Ask the rollout's engine for its next assistant turn, or end the rollout when no
+        budget is left."""
         traj = trajectories[index]
         budget = min(spec.max_response_tokens - len(traj.response_ids),
                      max_model_len - len(traj.prompt_ids) - len(traj.response_ids))
@@ -172,29 +188,42 @@ def run_rollouts(
             # A tool response may overshoot the shared budget: the trainer never sees past it.
             limit = min(spec.max_response_tokens, max_model_len - len(traj.prompt_ids))
             del traj.response_ids[limit:], traj.loss_mask[limit:]
-            return False
-        engine.add_request(
-            f"{index}:{traj.turns}", traj.prompt_ids + traj.response_ids, budget,
+            end_rollout(index)
+            return
+        pool.add_request(
+            engine_of[index], f"{index}:{traj.turns}", traj.prompt_ids + traj.response_ids, budget,
             spec.temperature, spec.top_p, [tool_call_close],
         )
-        return True
+        generating.add(index)
 
-    pending_tools: dict[int, tuple[Future, float]] = {}
-    progress = tqdm(total=len(trajectories), desc=desc, leave=False, disable=None)
+    def end_rollout(index: int) -> None:
+        nonlocal finished
+        finished += 1
+        progress.update(1)
+        scheduler.finish(index)
 
-    for index in range(len(trajectories)):
-        if not submit_turn(index):
-            progress.update(1)
-
-    while engine.has_unfinished() or pending_tools:
-        finished_turns = engine.step() if engine.has_unfinished() else []
-        for turn in finished_turns:
+    while finished < len(trajectories):
+        # Admit what the scheduler allows now: at the start, and as soon as rollouts end.
+        for index, engine in scheduler.admit():
+            engine_of[index] = engine
+            submit_turn(index)
+        if generating:
+            turns = pool.poll(timeout=0.005 if pending_tools else None)
+        else:
+            turns = []
+            if pending_tools:
+                # Nothing to generate until a tool answers: wait for the first one, not for all.
+                wait_start = time.perf_counter()
+                wait([f for f, _ in pending_tools.values()], return_when=FIRST_COMPLETED)
+                times.tool_wait_s += time.perf_counter() - wait_start
+        for _, turn in turns:
             index = int(turn.request_id.split(":")[0])
+            generating.discard(index)
             traj = trajectories[index]
             text = tokenizer.decode(turn.token_ids, skip_special_tokens=False)
             action = end_turn(traj, turn.token_ids, text, turn.finish_reason, spec, tool_call_close)
             if action is None:
-                progress.update(1)
+                end_rollout(index)
             elif isinstance(action, ToolCallError):
                 # A call that does not parse is answered with the parse error (recipe.md section 2).
                 future = Future()
@@ -202,12 +231,6 @@ def run_rollouts(
                 pending_tools[index] = (future, time.perf_counter())
             else:
                 pending_tools[index] = (tools.submit(action.code, action.stdin), time.perf_counter())
-
-        if pending_tools and not engine.has_unfinished():
-            # Nothing to generate until a tool answers: wait for the first one, not for all.
-            wait_start = time.perf_counter()
-            wait([f for f, _ in pending_tools.values()], return_when=FIRST_COMPLETED)
-            times.tool_wait_s += time.perf_counter() - wait_start
 
         for index in [i for i, (f, _) in pending_tools.items() if f.done()]:
             future, sent_at = pending_tools.pop(index)
@@ -218,8 +241,11 @@ def run_rollouts(
             times.tool_exec_s += result.wall_s
             text = tool_response_text(render_tool_result(result, spec.tool_response_chars))
             traj.extend(tokenizer(text, add_special_tokens=False)["input_ids"], text, trainable=False)
-            if not submit_turn(index):
-                progress.update(1)
+            submit_turn(index)
     progress.close()
     times.total_s = time.perf_counter() - started
+    busy_after = pool.stats()
+    busy = sum(a["busy_s"] - b["busy_s"] for a, b in zip(busy_after, busy_before))
+    times.engine_idle_fraction = max(0.0, 1 - busy / (times.total_s * pool.count)) if times.total_s else 0.0
+    times.preemptions = sum(a["preemptions"] - b["preemptions"] for a, b in zip(busy_after, busy_before))
     return trajectories, times

@@ -8,6 +8,7 @@ back while the engine keeps serving the other trajectories: no turn-level barrie
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,8 @@ class Engine:
     def __init__(self, model_dir: Path, cfg: EngineConfig, seed: int, dtype: str = "float32"):
         self.model_dir, self.cfg, self.seed, self.dtype = Path(model_dir), cfg, seed, dtype
         self.llm = None
+        self.busy_s = 0.0  # time spent in step(): what is left of the wall time, it sat idle
+        self.preemptions = 0  # running requests evicted from the KV cache (to be recomputed)
 
     def start(self) -> Engine:
         configure_cpu_runtime()
@@ -58,7 +61,25 @@ class Engine:
             gpu_memory_utilization=self.cfg.gpu_memory_utilization,
             disable_log_stats=False,
         )
+        self._count_preemptions()
         return self
+
+    def _count_preemptions(self) -> None:
+        # vLLM counts preemptions only for its loggers, which the in-process LLM does not run;
+        # the scheduler's own preemption method is the one place every eviction goes through.
+        scheduler = self._core.engine_core.engine_core.scheduler
+        preempt = scheduler._preempt_request
+
+        def counted(*args, **kwargs):
+            self.preemptions += 1
+            return preempt(*args, **kwargs)
+
+        scheduler._preempt_request = counted
+
+    def kv_tokens(self) -> int:
+        """The KV cache's capacity in tokens, as vLLM sized it from kv_cache_gib."""
+        cache = self._core.vllm_config.cache_config
+        return cache.num_gpu_blocks * cache.block_size
 
     def __enter__(self) -> Engine:
         return self.start() if self.llm is None else self
@@ -100,8 +121,11 @@ class Engine:
         return self._core.has_unfinished_requests()
 
     def step(self) -> list[FinishedTurn]:
+        started = time.perf_counter()
         finished = []
-        for output in self._core.step():
+        outputs = self._core.step()
+        self.busy_s += time.perf_counter() - started
+        for output in outputs:
             if output.finished:
                 completion = output.outputs[0]
                 finished.append(FinishedTurn(output.request_id, list(completion.token_ids), completion.finish_reason))
