@@ -29,7 +29,7 @@ def pipeline(config: str = str(default_config_path()), run_id: str | None = None
     ctx = start_pipeline_run(cfg, config, run_id)
     clock, rows = Stopwatch(), []
     try:
-        splits = curate(cfg.data, ctx.run_dir)
+        splits = curate(cfg.data, ctx)
         train, heldout = load_problems(splits["train"]), load_problems(splits["heldout"])
         rows.append(stage_row("curate", None, None, None, clock.lap()))
         base_run = start_stage_run(ctx, "base", cfg.model.model_dump(mode="json"))

