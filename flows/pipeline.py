@@ -15,7 +15,7 @@ from flows.evaluate import evaluate
 from flows.rl import rl_stage
 from flows.sft import sft
 from tasks.config import default_config_path, load_config
-from tasks.curate import load_problems
+from tasks.curate import load_benchmarks, load_problems
 from tasks.report import Stopwatch, end_run, publish_summary, stage_row, start_pipeline_run, start_stage_run
 from tasks.rollouts import serve_policy
 from tasks.runtime import Runtime
@@ -31,22 +31,23 @@ def pipeline(config: str = str(default_config_path()), run_id: str | None = None
     try:
         splits = curate(cfg.data, ctx)
         train, heldout = load_problems(splits["train"]), load_problems(splits["heldout"])
+        benchmarks = load_benchmarks(cfg.data)
         rows.append(stage_row("curate", None, None, None, clock.lap()))
         base_run = start_stage_run(ctx, "base", cfg.model.model_dump(mode="json"))
         base_dir, base_steps = build_base_model(cfg, ctx, splits["train"], base_run)
         end_run(ctx, base_run)
         with Runtime(cfg, base_dir, ctx.run_dir) as runtime:
-            before = evaluate(cfg, ctx, runtime, "base", heldout)
+            before = evaluate(cfg, ctx, runtime, "base", heldout, benchmarks)
             rows.append(stage_row("base model", base_steps, None, before, clock.lap()))
             sft_dir, sft_steps = sft(cfg, ctx, base_dir)
             serve_policy(runtime, sft_dir)
-            after = evaluate(cfg, ctx, runtime, "sft", heldout)
+            after = evaluate(cfg, ctx, runtime, "sft", heldout, benchmarks)
             rows.append(stage_row("sft", sft_steps, before, after, clock.lap()))
             total_rl_steps = sum(stage.steps for stage in cfg.rl.stages)
             for stage in cfg.rl.stages:
                 before = after
                 steps = rl_stage(cfg, ctx, runtime, stage, train, total_rl_steps)
-                after = evaluate(cfg, ctx, runtime, stage.name, heldout)
+                after = evaluate(cfg, ctx, runtime, stage.name, heldout, benchmarks)
                 rows.append(stage_row(stage.name, steps, before, after, clock.lap()))
         publish_summary(ctx, rows, clock.total())
     except BaseException:

@@ -34,7 +34,7 @@ def rl_stage(cfg: RunConfig, ctx: RunContext, runtime: Runtime, stage: StageConf
     if stage.hard_only:
         spec = rollout_spec(cfg, stage.max_turns, stage.max_response_tokens, cfg.rollout.temperature)
         attempts = roll_out(runtime, problems, stage.difficulty_attempts, spec, desc="difficulty filter")
-        problems = keep_unsolved(score(runtime, attempts), stage.difficulty_attempts)
+        problems = keep_unsolved(ctx, stage_run, score(runtime, attempts), stage.difficulty_attempts)
     for step in range(stage.steps):
         rl_step(cfg, ctx, runtime, stage, step, problems, stage_run)
     end_run(ctx, stage_run)

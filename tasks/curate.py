@@ -76,6 +76,12 @@ def curate_problems(data: DataConfig, run_dir: Path) -> dict:
     return {"paths": paths, "counts": counts}
 
 
+@task(cache_policy=NO_CACHE)
+def load_benchmarks(data: DataConfig) -> dict[str, list[Problem]]:
+    """The configured evaluation benchmarks, by name."""
+    return {source.name: load_benchmark(source, data) for source in data.benchmarks}
+
+
 def load_problems(path: Path) -> list[Problem]:
     return [Problem(**row) for row in read_table(path)]
 

@@ -18,6 +18,7 @@ from tasks.config import RunConfig
 from tasks.rollouts import Rollouts
 from tasks.rollout.metrics import rollout_metrics
 from tasks.runtime import RunContext
+from tasks.store.tables import EVALUATIONS, read_table, write_table
 from tasks.tracking.mlflow_log import Tracker
 
 SUMMARY_COLUMNS = ["stage", "steps", "pass@1 before", "pass@1 after", "tool-call rate", "tool-error rate", "wall s"]
@@ -67,14 +68,35 @@ def end_run(ctx: RunContext, mlflow_run_id: str, ok: bool = True) -> None:
 
 
 @task(cache_policy=NO_CACHE)
-def summarize_eval(ctx: RunContext, label: str, rollouts: Rollouts, k: int) -> dict:
-    """avg@k pass@1 and tool use on the held-out split, logged on the parent run."""
+def summarize_eval(ctx: RunContext, label: str, benchmark: str, rollouts: Rollouts, k: int) -> dict:
+    """avg@k pass@1 and tool use of checkpoint `label` on one benchmark: logged on the parent
+    run (eval/<label>/... for the held-out split, eval/<label>/<benchmark>/... otherwise) and
+    written as the (label, benchmark) part of the evaluations table."""
     metrics = rollout_metrics(rollouts.trajectories, rollouts.rewards)
     metrics["pass_at_1"] = metrics["reward_mean"]  # mean over problems and their k samples
-    ctx.tracker.log_metrics(ctx.mlflow_run_id, {f"eval/{label}/{key}": v for key, v in metrics.items()})
-    print(f"[eval {label}] pass@1 (avg@{k}) {metrics['pass_at_1']:.3f}, tool-call rate "
+    prefix = f"eval/{label}" if benchmark == "heldout" else f"eval/{label}/{benchmark}"
+    ctx.tracker.log_metrics(ctx.mlflow_run_id, {f"{prefix}/{key}": v for key, v in metrics.items()})
+    row = {"run_id": ctx.run_id, "checkpoint": label, "benchmark": benchmark, "problems": len(rollouts.problems),
+           "k": k, **{c: metrics[c] for c in EVALUATIONS.names if c in metrics}}
+    write_table([row], EVALUATIONS, ctx.run_dir / "evaluations" / f"{label}--{benchmark}.parquet")
+    print(f"[eval {label} / {benchmark}] pass@1 (avg@{k}) {metrics['pass_at_1']:.3f}, tool-call rate "
           f"{metrics['tool_call_rate']:.2f}, tool-error rate {metrics['tool_error_rate']:.2f}")
     return metrics
+
+
+def evaluation_markdown(run_dir: Path) -> str:
+    """pass@1 of every evaluated checkpoint (rows, in evaluation order) on every benchmark."""
+    parts = sorted((run_dir / "evaluations").glob("*.parquet"), key=lambda p: p.stat().st_mtime_ns)
+    rows = [row for part in parts for row in read_table(part)]
+    checkpoints = list(dict.fromkeys(r["checkpoint"] for r in rows))
+    benchmarks = list(dict.fromkeys(r["benchmark"] for r in rows))
+    value = {(r["checkpoint"], r["benchmark"]): r["pass_at_1"] for r in rows}
+    lines = ["| checkpoint | " + " | ".join(f"{b} pass@1" for b in benchmarks) + " |",
+             "|---|" + "---|" * len(benchmarks)]
+    for checkpoint in checkpoints:
+        cells = [f"{value[(checkpoint, b)]:.3f}" if (checkpoint, b) in value else "" for b in benchmarks]
+        lines.append(f"| {checkpoint} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 @task(cache_policy=NO_CACHE)
@@ -93,7 +115,10 @@ def publish_summary(ctx: RunContext, rows: list[dict], wall_s: float) -> str:
     Console(width=120).print(table)
     markdown = "| " + " | ".join(SUMMARY_COLUMNS) + " |\n|" + "---|" * len(SUMMARY_COLUMNS) + "\n"
     markdown += "".join("| " + " | ".join(cell(r.get(c)) for c in SUMMARY_COLUMNS) + " |\n" for r in shown)
-    markdown = f"# Run {ctx.run_id}\n\nwall time {wall_s:.0f} s, outputs in `{ctx.run_dir}`\n\n{markdown}"
+    evaluations = evaluation_markdown(ctx.run_dir)
+    print(evaluations)
+    markdown = (f"# Run {ctx.run_id}\n\nwall time {wall_s:.0f} s, outputs in `{ctx.run_dir}`\n\n{markdown}"
+                f"\n## Evaluations (avg@k pass@1)\n\n{evaluations}")
     path = ctx.run_dir / "summary.md"
     path.write_text(markdown)
     (ctx.run_dir / "summary.json").write_text(json.dumps({"wall_s": wall_s, "stages": rows}, indent=2))

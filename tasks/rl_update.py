@@ -5,13 +5,15 @@ from __future__ import annotations
 import random
 import shutil
 import time
+from collections import Counter
 
 from prefect import task
+from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from tasks.config import RunConfig, StageConfig
 from tasks.data.problems import Problem
-from tasks.rl.batch import TrainingBatch, select_training_batch, trajectory_score
+from tasks.rl.batch import TrainingBatch, select_training_batch, solved_attempts, trajectory_score
 from tasks.rollout.agent import RolloutSpec
 from tasks.rollout.metrics import max_logprob_gap, rollout_metrics
 from tasks.rollouts import Rollouts
@@ -86,14 +88,19 @@ def sync_weights(runtime: Runtime, batch: TrainingBatch, probe_size: int = 2) ->
 
 
 @task(cache_policy=NO_CACHE)
-def keep_unsolved(rollouts: Rollouts, attempts: int) -> list[Problem]:
-    """Difficulty filter: drop the problems the current policy solved in all its attempts."""
-    solved: dict[str, float] = {}
-    for traj, reward in zip(rollouts.trajectories, rollouts.rewards):
-        solved[traj.problem_id] = solved.get(traj.problem_id, 0.0) + reward
+def keep_unsolved(ctx: RunContext, stage_run_id: str, rollouts: Rollouts, attempts: int) -> list[Problem]:
+    """Difficulty filter: drop the problems the current policy solved in all its attempts; the
+    histogram of solved attempts goes to MLflow (difficulty/solved_<j>_of_<k>) and Prefect."""
+    solved = solved_attempts([t.problem_id for t in rollouts.trajectories], rollouts.rewards)
     problems = rollouts.problems
-    hard = [p for p in problems if solved.get(p.problem_id, 0.0) < attempts]
-    print(f"difficulty filter: kept {len(hard)} of {len(problems)} problems (solved < {attempts}/{attempts})")
+    hard = [p for p in problems if solved.get(p.problem_id, 0) < attempts]
+    histogram = Counter(solved.get(p.problem_id, 0) for p in problems)
+    counts = [{"solved": f"{j} of {attempts}", "problems": histogram.get(j, 0)} for j in range(attempts + 1)]
+    metrics = {f"difficulty/solved_{j}_of_{attempts}": histogram.get(j, 0) for j in range(attempts + 1)}
+    ctx.tracker.log_metrics(stage_run_id, {**metrics, "difficulty/kept": len(hard)})
+    create_table_artifact(counts, key="difficulty-filter", description="Problems by attempts solved")
+    print(f"difficulty filter: kept {len(hard)} of {len(problems)} problems (solved < {attempts}/{attempts}); "
+          f"solved-attempts histogram {dict(sorted(histogram.items()))}")
     return hard
 
 

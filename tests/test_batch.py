@@ -49,3 +49,9 @@ def test_selection_keeps_g_per_problem_with_signal_and_masks_tool_tokens():
     assert 0 < sum(kept_rewards) < 4 and abs(sum(a for a, k in zip(batch.advantages, batch.kept) if k)) < 1e-6
     for sample in batch.samples:
         assert sample.token_ids == [1, 2, 3, 10, 11, 12, 13] and sample.loss_mask == [0, 0, 0, 1, 1, 0, 1]
+
+
+def test_solved_attempts_counts_rewarded_attempts_per_problem():
+    from tasks.rl.batch import solved_attempts
+
+    assert solved_attempts(["a", "a", "b", "a", "b"], [1.0, 0.0, 0.0, 1.0, 0.0]) == {"a": 2, "b": 0}

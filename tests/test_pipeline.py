@@ -14,22 +14,31 @@ from prefect.testing.utilities import prefect_test_harness
 
 from dashboards.views import connect
 from flows.pipeline import pipeline
+from tasks.data.problems import generate_problems
 from tasks.tracking.mlflow_log import EXPERIMENT, tracking_uri
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 STAGE = {"name": "stage1", "steps": 2, "max_response_tokens": 128, "max_turns": 3, "problems_per_step": 4}
+# A second stage behind the difficulty filter (2 attempts per problem), optimizer reset.
+HARD = {"name": "hard", "steps": 1, "max_response_tokens": 128, "max_turns": 3, "problems_per_step": 4,
+        "hard_only": True, "difficulty_attempts": 2, "reset_optimizer": True}
 STOP_REASONS = {"answer", "no_answer", "max_turns", "budget"}
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("outputs")
+    # A benchmark in a public layout (JSONL, question/answer columns), from a disjoint seed.
+    bench = output_dir / "mini-benchmark.jsonl"
+    bench.write_text("".join(json.dumps({"question": p.question, "answer": int(p.answer)}) + "\n"
+                             for p in generate_problems(3, [1], seed=99)))
     overrides = {
         "output_dir": str(output_dir),
         "data.n_train": 48, "data.n_heldout": 6, "model.tiny.pretrain_steps": 2,
         "sft.n_examples": 96, "sft.epochs": 1,
-        "rl.group_size": 4, "rl.stages": [STAGE],
+        "rl.group_size": 4, "rl.stages": [STAGE, HARD],
         "eval.k": 2, "eval.max_turns": 3, "eval.max_response_tokens": 128,
+        "data.benchmarks": [{"name": "mini", "format": "jsonl", "path": str(bench), "problem": "question"}],
     }
     with prefect_test_harness(server_startup_timeout=180):  # a new database migrates first
         result = pipeline(config=str(CONFIG), run_id="e2e", overrides=overrides)
@@ -39,21 +48,36 @@ def run(tmp_path_factory):
 def test_summary_has_every_stage(run):
     result, _ = run
     summary = json.loads((Path(result["run_dir"]) / "summary.json").read_text())
-    assert [row["stage"] for row in summary["stages"]] == ["curate", "base model", "sft", "stage1"]
+    assert [row["stage"] for row in summary["stages"]] == ["curate", "base model", "sft", "stage1", "hard"]
     for row in summary["stages"][1:]:
         assert 0.0 <= row["pass@1 after"] <= 1.0 and 0.0 <= row["tool-call rate"] <= 1.0
-    assert summary["stages"][-1]["steps"] == 2
+    assert [row["steps"] for row in summary["stages"][-2:]] == [2, 1]
     checkpoints = Path(result["run_dir"]) / "checkpoints" / "stage1"
     assert (checkpoints / "latest").read_text() == "step-00001"
     assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-00000", "step-00001"]
+
+
+def test_evaluation_table_compares_checkpoints_on_every_benchmark(run):
+    result, _ = run
+    rows = duckdb.sql(f"SELECT checkpoint, benchmark, problems, k, pass_at_1 FROM "
+                      f"read_parquet('{result['run_dir']}/evaluations/*.parquet') ORDER BY ALL").fetchall()
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
+        (c, b, n, 2) for c in ("base", "hard", "sft", "stage1") for b, n in (("heldout", 6), ("mini", 3))]
+    assert all(0.0 <= r[4] <= 1.0 for r in rows)
+    summary = (Path(result["run_dir"]) / "summary.md").read_text()
+    assert "| checkpoint | heldout pass@1 | mini pass@1 |" in summary
+    assert all(f"| {c} | " in summary for c in ("base", "sft", "stage1", "hard"))
 
 
 def test_rollout_rows_are_queryable_and_consistent(run):
     result, _ = run
     table = f"read_parquet('{result['run_dir']}/rollouts/*/*.parquet')"
     counts = dict(duckdb.sql(f"SELECT stage || '/' || step, count(*) FROM {table} GROUP BY ALL").fetchall())
-    # RL steps: 4 problems x 2G = 8 rollouts each; evaluations: 6 problems x k = 2.
-    assert counts == {"stage1/0": 32, "stage1/1": 32, "eval-base/0": 12, "eval-sft/0": 12, "eval-stage1/0": 12}
+    # RL steps: 4 problems x 2G = 8 rollouts each; evaluations: 6 held-out problems x k = 2, and
+    # the 3 benchmark problems x k = 2.
+    assert counts == {"stage1/0": 32, "stage1/1": 32, "hard/0": 32, "eval-base/0": 12, "eval-sft/0": 12,
+                      "eval-stage1/0": 12, "eval-hard/0": 12, "eval-base-mini/0": 6, "eval-sft-mini/0": 6,
+                      "eval-stage1-mini/0": 6, "eval-hard-mini/0": 6}
     rows = duckdb.sql(f"SELECT * FROM {table}").df()
     assert set(rows["stop_reason"]) <= STOP_REASONS
     assert set(rows["reward"]) <= {0.0, 1.0}
@@ -75,7 +99,7 @@ def test_readme_query_runs_on_the_views(run):
     result, _ = run
     assert README_QUERY in (Path(__file__).resolve().parent.parent / "README.md").read_text()
     rows = connect(result["run_dir"]).sql(README_QUERY).fetchall()
-    assert len(rows) == 5 and all(row[0] == "e2e" and row[3] in (12, 32) for row in rows)
+    assert len(rows) == 11 and all(row[0] == "e2e" and row[3] in (6, 12, 32) for row in rows)
     metrics = connect(result["run_dir"]).sql("SELECT DISTINCT metric FROM steps").fetchall()
     assert ("reward_mean",) in metrics
 
@@ -88,7 +112,10 @@ def test_mlflow_has_nested_stage_runs_with_step_metrics(run):
     parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(parent) == 1 and parent[0].info.status == "FINISHED"
     stages = {r.data.tags["rstar2.stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id}
-    assert set(stages) == {"base", "sft", "stage1"}
+    assert set(stages) == {"base", "sft", "stage1", "hard"}
+    difficulty = client.get_run(stages["hard"].info.run_id).data.metrics
+    assert sum(difficulty[f"difficulty/solved_{j}_of_2"] for j in range(3)) == 48  # every train problem
+    assert difficulty["difficulty/kept"] == 48 - difficulty["difficulty/solved_2_of_2"]
     assert [m.step for m in client.get_metric_history(stages["base"].info.run_id, "pretrain/loss")] == [0, 1]
     rl = stages["stage1"].info.run_id
     for metric in ("reward_mean", "kept", "dropped", "tool_calls", "tool_errors", "response_length_mean",

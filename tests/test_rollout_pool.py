@@ -7,6 +7,8 @@ About a minute on two cores.
 """
 
 
+from pathlib import Path
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -19,8 +21,8 @@ from tasks.sandbox.server import SandboxService
 
 SPEC = RolloutSpec(max_turns=2, max_response_tokens=120, temperature=1.0, top_p=1.0,
                    tool_name="execute_python_code_with_standard_io", tool_response_chars=200, tool_spec="compact")
-# ~1,200 tokens of KV per engine (128 hidden, 2 layers, 1 KV head of 64, fp32: 1 KiB a token).
-ENGINES = EngineConfig(kv_cache_gib=0.0012, max_model_len=512, block_size=32, count=2)
+# ~780 tokens of KV per engine: two ~330-token prompts fit, their growth does not (128 hidden, 2 layers, 1 KV head of 64, fp32: 1 KiB a token).
+ENGINES = EngineConfig(kv_cache_gib=0.00075, max_model_len=512, block_size=32, count=2)
 
 
 @pytest.fixture(scope="module")
@@ -48,4 +50,21 @@ def test_rollouts_complete_on_a_two_engine_pool(model_dir, services, policy) -> 
     if policy == "kv_aware":
         assert times.preemptions == 0
     else:
-        assert times.preemptions > 0
+        assert times.preemptions > 0, ([(t.stop_reason, len(t.response_ids), len(t.prompt_ids)) for t in trajectories], pool.kv_tokens)
+
+
+def test_evaluation_samples_differ_at_temperature_0_6(model_dir, services) -> None:
+    """avg@k needs k real samples: the release evaluated greedily, which makes avg@16 one sample."""
+    from tasks.config import load_config
+    from tasks.rl_update import rollout_spec
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    spec = rollout_spec(cfg, cfg.eval.max_turns, 48, cfg.eval.temperature)
+    assert spec.temperature == 0.6
+    pool, tools = services
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    problems = [(p.problem_id, p.question) for p in generate_problems(3, [1], seed=5)]
+    trajectories, _ = run_rollouts(pool, tools, tokenizer, problems, 4, spec)
+    for problem_id, _ in problems:
+        responses = [tuple(t.response_ids) for t in trajectories if t.problem_id == problem_id]
+        assert len(responses) == 4 and len(set(responses)) == 4, problem_id

@@ -71,3 +71,11 @@ def select_training_batch(
             samples.append(Sample(traj.prompt_ids + traj.response_ids,
                                   [0] * len(traj.prompt_ids) + traj.loss_mask, advantage))
     return TrainingBatch(samples, kept, advantages, result)
+
+
+def solved_attempts(problem_ids: list[str], rewards: list[float]) -> dict[str, int]:
+    """Per problem, how many of its attempts earned the reward (the difficulty filter's count)."""
+    solved: dict[str, int] = {}
+    for problem_id, reward in zip(problem_ids, rewards):
+        solved[problem_id] = solved.get(problem_id, 0) + int(reward > 0)
+    return solved

@@ -62,6 +62,24 @@ STEPS = pa.schema(
 )
 
 
+EVALUATIONS = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("checkpoint", pa.string()),  # base, sft, or an RL stage's name
+        ("benchmark", pa.string()),  # heldout, or a configured benchmark's name
+        ("problems", pa.int64()),
+        ("k", pa.int64()),
+        ("pass_at_1", pa.float64()),  # avg@k: mean reward over problems and their k samples
+        ("response_length_mean", pa.float64()),
+        ("turns_mean", pa.float64()),
+        ("tool_calls", pa.int64()),
+        ("tool_errors", pa.int64()),
+        ("tool_call_rate", pa.float64()),
+        ("tool_error_rate", pa.float64()),
+    ]
+)
+
+
 def write_table(rows: list[dict], schema: pa.Schema, path: Path) -> Path:
     """Write rows atomically: a reader sees the old file or the new one, never half of one."""
     table = pa.Table.from_pylist(rows, schema=schema)
