@@ -10,7 +10,7 @@ from typing import Any
 
 from prefect import flow
 
-from flows.curate import curate
+from flows.curate import consensus, curate
 from flows.evaluate import evaluate
 from flows.rl import rl_stage
 from flows.sft import sft
@@ -43,6 +43,8 @@ def pipeline(config: str = str(default_config_path()), run_id: str | None = None
             serve_policy(runtime, sft_dir)
             after = evaluate(cfg, ctx, runtime, "sft", heldout, benchmarks)
             rows.append(stage_row("sft", sft_steps, before, after, clock.lap()))
+            if cfg.data.consensus:
+                train = consensus(cfg, ctx, runtime, train)
             total_rl_steps = sum(stage.steps for stage in cfg.rl.stages)
             for stage in cfg.rl.stages:
                 before = after

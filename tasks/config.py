@@ -64,6 +64,19 @@ class SourceConfig(_Strict):
         return self
 
 
+class ConsensusConfig(_Strict):
+    n: int = Field(8, ge=1)
+    m: int = Field(1, ge=1)
+    max_turns: int = 10
+    max_response_tokens: int = 1024
+
+    @model_validator(mode="after")
+    def _m_at_most_n(self) -> "ConsensusConfig":
+        if self.m > self.n:
+            raise ValueError(f"consensus.m ({self.m}) cannot exceed consensus.n ({self.n})")
+        return self
+
+
 class DataConfig(_Strict):
     n_train: int = 512  # generated problems: train + held-out are generated together
     n_heldout: int = 64  # held out of the curated problems, whatever their source
@@ -73,6 +86,10 @@ class DataConfig(_Strict):
     # Evaluation benchmarks (AIME, MATH-500, ...): decontaminated against, and evaluated on.
     benchmarks: list[SourceConfig] = []
     max_answer_digits: int = 12
+    # Consensus filter (optional): ask the policy n times per training problem (after SFT, the
+    # first policy that can answer) and keep problems solved at least m times: drops labels the
+    # model consistently contradicts, which are more often wrong labels than hard problems.
+    consensus: ConsensusConfig | None = None
     near_duplicate_threshold: float = Field(0.85, gt=0, le=1)  # character 5-gram Jaccard
     decontamination_ngram: int = Field(8, ge=1)
 

@@ -14,6 +14,8 @@ from tasks.config import DataConfig, SourceConfig
 from tasks.data.curation import curate_rows, integer_answers
 from tasks.data.problems import Problem, generate_problems, split_problems
 from tasks.data.sources import RawProblem, Rejected, load_source
+from tasks.rl.batch import solved_attempts
+from tasks.rollouts import Rollouts
 from tasks.runtime import RunContext
 from tasks.store.tables import PROBLEMS, read_table, write_table
 
@@ -74,6 +76,34 @@ def curate_problems(data: DataConfig, run_dir: Path) -> dict:
     for c in counts:
         print(f"curation {c['filter']:>16}: {c['in']:>6} in, {c['removed']:>6} removed, {c['kept']:>6} kept")
     return {"paths": paths, "counts": counts}
+
+
+@task(cache_policy=NO_CACHE)
+def keep_consensus(ctx: RunContext, rollouts: Rollouts, m: int) -> list[Problem]:
+    """The consensus filter: keep the problems whose label the policy reached at least m times.
+    Adds its row to data/curation.parquet and data/rejected.parquet, and its count to MLflow."""
+    solved = solved_attempts([t.problem_id for t in rollouts.trajectories], rollouts.rewards)
+    n = len(rollouts.trajectories) // max(len(rollouts.problems), 1)
+    kept = [p for p in rollouts.problems if solved.get(p.problem_id, 0) >= m]
+    out = ctx.run_dir / "data"
+    counts = read_table(out / "curation.parquet")
+    counts.append({"filter": "consensus", "in": len(rollouts.problems), "removed": len(rollouts.problems) - len(kept),
+                   "kept": len(kept)})
+    rejected = read_table(out / "rejected.parquet") + [
+        {"row_id": p.problem_id, "source": p.kind, "stage": "consensus",
+         "reason": f"label reached {solved.get(p.problem_id, 0)} of {n} times (< {m})"}
+        for p in rollouts.problems if solved.get(p.problem_id, 0) < m]
+    write_table(rejected, REJECTED, out / "rejected.parquet")
+    write_table(counts, CURATION, out / "curation.parquet")
+    create_table_artifact(counts, key="curation", description="Rows each curation filter removed")
+    ctx.tracker.log_metrics(ctx.mlflow_run_id, {"curation/consensus_removed": counts[-1]["removed"],
+                                                "curation/kept_after_consensus": len(kept)})
+    if not kept:
+        raise ValueError(f"the consensus filter kept no problem (none solved {m} of {n} times); lower "
+                         "data.consensus.m or leave the filter off until the policy can solve some")
+    print(f"curation        consensus: {len(rollouts.problems):>6} in, {counts[-1]['removed']:>6} removed, "
+          f"{len(kept):>6} kept (label reached >= {m} of {n})")
+    return kept
 
 
 @task(cache_policy=NO_CACHE)

@@ -132,16 +132,27 @@ def data_config(files: dict[str, Path]) -> DataConfig:
     )
 
 
-def test_curate_flow_counts_every_filter(files, tmp_path) -> None:
-    from flows.curate import curate
+@pytest.fixture(scope="module")
+def prefect_api():
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+def run_context(tmp_path: Path):
     from tasks.runtime import RunContext
     from tasks.tracking.mlflow_log import Tracker
 
     out = tmp_path / "outputs"
     tracker = Tracker(out)
-    ctx = RunContext("curation-test", out / "runs" / "curation-test", tracker.start_run("curation-test", {}), out)
-    with prefect_test_harness(server_startup_timeout=180):
-        paths = curate(data_config(files), ctx)
+    return RunContext("curation-test", out / "runs" / "curation-test", tracker.start_run("curation-test", {}), out)
+
+
+def test_curate_flow_counts_every_filter(files, tmp_path, prefect_api) -> None:
+    from flows.curate import curate
+
+    ctx = run_context(tmp_path)
+    tracker = ctx.tracker
+    paths = curate(data_config(files), ctx)
 
     counts = {row["filter"]: row["removed"] for row in read_table(paths["curation"])}
     assert counts == {"malformed": 3, "integer": 1, "huge_answer": 1, "exact_duplicate": 2, "near_duplicate": 1,
@@ -180,3 +191,24 @@ def test_unreadable_file_is_named_and_nothing_is_written(files, tmp_path) -> Non
     with pytest.raises(SourceError, match=r"broken\.parquet: cannot read as parquet"):
         curate_problems.fn(data, run_dir)
     assert not (run_dir / "data").exists()
+
+
+def test_consensus_filter_keeps_labels_the_policy_reaches_m_times(files, tmp_path, prefect_api) -> None:
+    from tasks.curate import curate_problems, keep_consensus, load_problems
+    from tasks.rollout.agent import RolloutTimes, Trajectory
+    from tasks.rollouts import Rollouts
+
+    ctx = run_context(tmp_path)
+    paths = curate_problems.fn(data_config(files), ctx.run_dir)["paths"]
+    train = load_problems(paths["train"])
+    # 3 attempts per problem; problem i solved i times (capped at 3).
+    trajectories = [Trajectory(p.problem_id, s, [1]) for p in train for s in range(3)]
+    rollouts = Rollouts(train, trajectories, RolloutTimes())
+    rollouts.rewards = [float(s < i) for i, _ in enumerate(train) for s in range(3)]
+    kept = keep_consensus.fn(ctx, rollouts, m=2)
+    assert [p.problem_id for p in kept] == [p.problem_id for p in train[2:]]
+    counts = read_table(paths["curation"])
+    assert counts[-1] == {"filter": "consensus", "in": 4, "removed": 2, "kept": 2}
+    reasons = {r["row_id"]: r["reason"] for r in read_table(paths["rejected"]) if r["stage"] == "consensus"}
+    assert reasons == {train[0].problem_id: "label reached 0 of 3 times (< 2)",
+                       train[1].problem_id: "label reached 1 of 3 times (< 2)"}
