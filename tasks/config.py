@@ -105,8 +105,27 @@ class OptimConfig(_Strict):
     micro_batch_size: int = 8
 
 
+class SftSourceConfig(_Strict):
+    """SFT data: the generated tool-call and instruction examples, or chats from a file
+    (function-calling / instruction-following sets as OpenAI-style message lists)."""
+
+    name: str
+    format: Literal["generated", "jsonl", "parquet"] = "generated"
+    path: str | None = None
+    messages: str = "messages"  # column with the chat: [{role, content, tool_calls?}]
+    tools: str | None = "tools"  # column with the chat's tool schemas (a list, or JSON text)
+    limit: int | None = None
+
+    @model_validator(mode="after")
+    def _path_given(self) -> "SftSourceConfig":
+        if self.format != "generated" and not self.path:
+            raise ValueError(f"sft source {self.name!r}: format {self.format!r} needs a path")
+        return self
+
+
 class SftConfig(_Strict):
-    n_examples: int = 2000
+    sources: list[SftSourceConfig] = [SftSourceConfig(name="generated")]
+    n_examples: int = 2000  # of the generated source
     epochs: int = 3
     batch_size: int = 32
     max_len: int = 512

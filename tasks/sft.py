@@ -13,16 +13,32 @@ from transformers import AutoTokenizer
 from tasks.config import OptimConfig, RunConfig
 from tasks.curate import load_problems
 from tasks.data.pretrain import pack_documents, pretraining_documents
-from tasks.data.sft import build_sft_examples, tokenize_segments
+from tasks.data.sft import Segments, build_sft_examples, chats_from_file, tokenize_segments
 from tasks.rl.batch import Sample
 from tasks.runtime import RunContext
 from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer
 
 
-def _sft_examples(cfg: RunConfig):
-    return build_sft_examples(cfg.sft.n_examples, cfg.data.levels, cfg.seed, cfg.rollout.tool_name,
-                              cfg.rollout.tool_spec)
+def _sft_examples(cfg: RunConfig, ctx: RunContext | None = None) -> list[Segments]:
+    """Every configured SFT source's examples; per source, how many were used and set aside
+    (printed, and logged to the run's MLflow parent run when `ctx` is given)."""
+    examples: list[Segments] = []
+    counts: dict[str, float] = {}
+    for source in cfg.sft.sources:
+        if source.format == "generated":
+            found, rejected = build_sft_examples(cfg.sft.n_examples, cfg.data.levels, cfg.seed, cfg.rollout.tool_name,
+                                                 cfg.rollout.tool_spec), []
+        else:
+            found, rejected = chats_from_file(source.name, source.format, source.path, source.messages, source.tools,
+                                              source.limit, cfg.rollout.tool_name, cfg.rollout.tool_spec)
+        examples += found
+        counts[f"sft/{source.name}/examples"], counts[f"sft/{source.name}/rejected"] = len(found), len(rejected)
+        reasons = "; ".join(f"{r.row_id}: {r.reason}" for r in rejected[:5])
+        print(f"sft source {source.name}: {len(found)} examples, {len(rejected)} set aside{' (' + reasons + ')' if reasons else ''}")
+    if ctx is not None:
+        ctx.tracker.log_metrics(ctx.mlflow_run_id, counts)
+    return examples
 
 
 @task(cache_policy=NO_CACHE)
@@ -70,7 +86,7 @@ def train_sft(cfg: RunConfig, ctx: RunContext, base_dir: Path, stage_run_id: str
     """Non-reasoning SFT with the DeepSpeed trainer; returns the SFT model directory and steps."""
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     samples = []
-    for example in _sft_examples(cfg):
+    for example in _sft_examples(cfg, ctx):
         ids, mask = tokenize_segments(tokenizer, example)
         if len(ids) <= cfg.sft.max_len:  # longer examples would be cut mid-format
             samples.append(Sample(ids, mask))

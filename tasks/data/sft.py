@@ -1,5 +1,9 @@
 """Non-reasoning SFT examples: tool-call formatting and instruction following.
 
+Two kinds of source: the generated set below, and chats from files (function-calling and
+instruction-following data sets, OpenAI / Hermes message lists) rendered by `chat_segments` into
+the same rollout format, with the chat's own tools listed in the system prompt.
+
 As the paper prescribes, no math reasoning traces: an example either follows an explicit
 instruction to use the Python tool (the assistant writes the call, the tool answers, the
 assistant reports the printed value) or an instruction to report a given number in the answer
@@ -11,8 +15,20 @@ from __future__ import annotations
 
 import random
 
+import json
+from pathlib import Path
+
 from tasks.data.problems import generate_problems
-from tasks.rollout.format import answer_text, prompt_text, tool_call_text, tool_response_text
+from tasks.data.sources import Rejected, SourceError, read_records
+from tasks.rollout.format import (
+    IM_END,
+    answer_text,
+    function_call_text,
+    prompt_text,
+    tool_call_text,
+    tool_response_text,
+    user_turn_text,
+)
 
 Segments = list[tuple[str, bool]]
 
@@ -55,3 +71,101 @@ def tokenize_segments(tokenizer, segments: Segments) -> tuple[list[int], list[in
         ids += piece
         mask += [int(trainable)] * len(piece)
     return ids, mask
+
+
+def _tool_call(call) -> tuple[str, dict]:
+    """(name, arguments) of one tool call, OpenAI ({"function": {...}}) or flat style."""
+    if not isinstance(call, dict):
+        raise ValueError(f"a tool call is {type(call).__name__}, not an object")
+    call = call.get("function", call)
+    name, arguments = call.get("name"), call.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"tool call arguments are not JSON: {exc}") from None
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        raise ValueError("a tool call needs a string 'name' and object 'arguments'")
+    return name, arguments
+
+
+def _text(message: dict, role: str) -> str:
+    content = message.get("content") or ""
+    if not isinstance(content, str):
+        raise ValueError(f"{role} content is {type(content).__name__}, not text")
+    return content
+
+
+def chat_segments(messages, tools, tool_name: str, tool_spec: str) -> Segments:
+    """One chat in the rollout format; ValueError says why a chat cannot be used.
+
+    Trainable: the assistant's words and tool calls. A system message is replaced by the
+    rollout system prompt (listing the chat's `tools`, or the Python tool when it has none); each
+    tool result comes back as the rollout's tool-response turn. One tool call per assistant turn,
+    as in rollouts; chats with reasoning traces (<think>) are refused: the paper's SFT teaches
+    formats, not math reasoning."""
+    if isinstance(tools, str):
+        tools = json.loads(tools) if tools.strip() else None
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise ValueError("tools must be a list of JSON schemas")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise ValueError("messages must be a list of objects with a role")
+    turns = [m for m in messages if m.get("role") != "system"]
+    if not turns or turns[0].get("role") != "user":
+        raise ValueError("a chat must start with a user message")
+    if turns[-1].get("role") != "assistant" or turns[-1].get("tool_calls"):
+        raise ValueError("a chat must end with an assistant message that calls no tool")
+    segments: Segments = []
+    previous = None
+    for message in turns:
+        role = message.get("role")
+        if role == "user":
+            if previous not in (None, "assistant"):
+                raise ValueError(f"a user message after a {previous} message")
+            text = _text(message, role)
+            if previous is None:
+                segments.append((prompt_text(text, tool_name, tool_spec, tools or None), False))
+            else:
+                segments.append(("\n" + user_turn_text(text), False))
+        elif role == "assistant":
+            if previous not in ("user", "tool"):
+                raise ValueError(f"an assistant message after a {previous} message")
+            content = _text(message, role)
+            if "<think>" in content:
+                raise ValueError("a reasoning trace (<think>): SFT data must not teach math reasoning")
+            calls = message.get("tool_calls") or []
+            if len(calls) > 1:
+                raise ValueError(f"{len(calls)} tool calls in one turn; the rollout format has one per turn")
+            if calls:
+                segments.append((content + function_call_text(*_tool_call(calls[0])), True))
+            else:
+                segments.append((content + IM_END, True))
+        elif role == "tool":
+            if previous != "assistant" or not segments[-1][0].endswith("</tool_call>"):
+                raise ValueError("a tool message must answer an assistant tool call")
+            segments.append((tool_response_text(_text(message, role)), False))
+        else:
+            raise ValueError(f"unknown role {role!r}")
+        previous = role
+    return segments
+
+
+def chats_from_file(name: str, fmt: str, path, messages: str, tools: str | None, limit: int | None,
+                    tool_name: str, tool_spec: str) -> tuple[list[Segments], list[Rejected]]:
+    """Every usable chat of a file as segments; the others with their row id and reason."""
+    examples: list[Segments] = []
+    rejected: list[Rejected] = []
+    columns, records = read_records(fmt, Path(path))
+    if columns is not None and messages not in columns:
+        raise SourceError(f"{path}: no column {messages!r}; its columns: {columns}")
+    for number, record in enumerate(records):
+        if limit is not None and len(examples) >= limit:
+            break
+        try:
+            if messages not in record:
+                raise ValueError(f"no {messages!r}")
+            examples.append(chat_segments(record[messages], record.get(tools) if tools else None, tool_name,
+                                          tool_spec))
+        except (ValueError, TypeError) as exc:
+            rejected.append(Rejected(f"{name}:{number}", name, "sft", str(exc)))
+    return examples, rejected

@@ -56,7 +56,7 @@ def _lookup(record: Any, path: str) -> Any:
     return value
 
 
-def _records(fmt: str, path: Path, split: str | None) -> tuple[list[str] | None, Iterator[dict]]:
+def read_records(fmt: str, path: Path, split: str | None = None) -> tuple[list[str] | None, Iterator[dict]]:
     """(top-level column names where the format has a schema, records)."""
     if not path.exists():
         raise SourceError(f"{path}: no such file or directory")
@@ -108,7 +108,7 @@ def _read_saved_dataset(directory: Path) -> pa.Table:
 def load_source(name: str, fmt: str, path: Path, problem: str, answer: str, id_column: str | None = None,
                 split: str | None = None, limit: int | None = None) -> tuple[list[RawProblem], list[Rejected]]:
     """The source's usable rows, and its malformed ones with the reason."""
-    columns, records = _records(fmt, Path(path), split)
+    columns, records = read_records(fmt, Path(path), split)
     wanted = [c for c in (problem, answer, id_column) if c]
     if columns is not None:
         for column in wanted:

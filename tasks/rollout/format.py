@@ -49,30 +49,36 @@ def compact_tool_schema(tool_name: str) -> dict:
     return {"name": tool_name, "arguments": {"code": "string", "input": "string"}}
 
 
-def system_prompt(tool_name: str, tool_spec: str = "schema") -> str:
-    """Asks for reasoning, one <answer> block with \\boxed{}, and lists the tool Hermes-style."""
-    schema = tool_schema(tool_name) if tool_spec == "schema" else compact_tool_schema(tool_name)
+def system_prompt(tool_name: str, tool_spec: str = "schema", tools: list[dict] | None = None) -> str:
+    """Asks for reasoning, one <answer> block with \\boxed{}, and lists the tools Hermes-style:
+    the Python tool, or `tools` (the schemas of an SFT chat's own tools)."""
+    if tools is None:
+        tools = [tool_schema(tool_name) if tool_spec == "schema" else compact_tool_schema(tool_name)]
+    listed = "\n".join(json.dumps(t) for t in tools)
     return (
         "You are a helpful assistant. Reason step by step, then give the final answer in a single "
         f"{ANSWER_OPEN}{ANSWER_CLOSE} block with the final number in \\boxed{{}}.\n"
-        "You may call this tool:\n<tools>\n"
-        f"{json.dumps(schema)}\n</tools>\n"
+        f"You may call {'this tool' if len(tools) == 1 else 'these tools'}:\n<tools>\n"
+        f"{listed}\n</tools>\n"
         f'Call it as {TOOL_CALL_OPEN}{{"name": <tool name>, "arguments": <arguments as JSON>}}{TOOL_CALL_CLOSE}'
     )
 
 
-def prompt_text(problem: str, tool_name: str, tool_spec: str = "schema") -> str:
+def prompt_text(problem: str, tool_name: str, tool_spec: str = "schema", tools: list[dict] | None = None) -> str:
     """System and user turns, then the open assistant header the model continues from."""
-    return (
-        f"{IM_START}system\n{system_prompt(tool_name, tool_spec)}{IM_END}\n"
-        f"{IM_START}user\n{problem}{IM_END}\n"
-        f"{IM_START}assistant\n"
-    )
+    return f"{IM_START}system\n{system_prompt(tool_name, tool_spec, tools)}{IM_END}\n" + user_turn_text(problem)
+
+
+def user_turn_text(content: str) -> str:
+    return f"{IM_START}user\n{content}{IM_END}\n{IM_START}assistant\n"
 
 
 def tool_call_text(tool_name: str, code: str, stdin: str = "") -> str:
-    payload = {"name": tool_name, "arguments": {"code": code, "input": stdin}}
-    return f"{TOOL_CALL_OPEN}{json.dumps(payload)}{TOOL_CALL_CLOSE}"
+    return function_call_text(tool_name, {"code": code, "input": stdin})
+
+
+def function_call_text(name: str, arguments: dict) -> str:
+    return f"{TOOL_CALL_OPEN}{json.dumps({'name': name, 'arguments': arguments})}{TOOL_CALL_CLOSE}"
 
 
 def tool_response_text(output: str) -> str:
