@@ -44,24 +44,29 @@ class ModelConfig(_Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 
-class SourceConfig(_Strict):
+class _Source(_Strict):
+    """Where examples come from: the generated set, or a file (`path`)."""
+
+    name: str
+    path: str | None = None
+    limit: int | None = None  # the first rows only
+
+    @model_validator(mode="after")
+    def _path_given(self) -> "_Source":
+        if self.format != "generated" and not self.path:
+            raise ValueError(f"source {self.name!r}: format {self.format!r} needs a path")
+        return self
+
+
+class SourceConfig(_Source):
     """A problem source: the generated set, or a file in a public data set's own layout, read
     through a column mapping (dotted paths reach nested values: `prompt.0.content`)."""
 
-    name: str
     format: Literal["generated", "parquet", "jsonl", "hf_disk"] = "generated"
-    path: str | None = None  # a file; for hf_disk the save_to_disk directory
     split: str | None = None  # hf_disk: a split directory of a saved DatasetDict
     problem: str = "problem"
     answer: str = "answer"
     id: str | None = None  # a column with stable row ids (default: the row number)
-    limit: int | None = None
-
-    @model_validator(mode="after")
-    def _path_given(self) -> "SourceConfig":
-        if self.format != "generated" and not self.path:
-            raise ValueError(f"source {self.name!r}: format {self.format!r} needs a path")
-        return self
 
 
 class ConsensusConfig(_Strict):
@@ -105,22 +110,13 @@ class OptimConfig(_Strict):
     micro_batch_size: int = 8
 
 
-class SftSourceConfig(_Strict):
+class SftSourceConfig(_Source):
     """SFT data: the generated tool-call and instruction examples, or chats from a file
     (function-calling / instruction-following sets as OpenAI-style message lists)."""
 
-    name: str
     format: Literal["generated", "jsonl", "parquet"] = "generated"
-    path: str | None = None
     messages: str = "messages"  # column with the chat: [{role, content, tool_calls?}]
     tools: str | None = "tools"  # column with the chat's tool schemas (a list, or JSON text)
-    limit: int | None = None
-
-    @model_validator(mode="after")
-    def _path_given(self) -> "SftSourceConfig":
-        if self.format != "generated" and not self.path:
-            raise ValueError(f"sft source {self.name!r}: format {self.format!r} needs a path")
-        return self
 
 
 class SftConfig(_Strict):
