@@ -1,8 +1,12 @@
-"""DuckDB views over a run's Parquet tables: `rollouts` and `steps` (one file per stage/step).
+"""DuckDB views over a run's Parquet tables (dashboards/views.sql): rollouts, tool_calls, steps,
+evaluations.
 
     from dashboards.views import connect
     db = connect("outputs/runs/<run_id>")          # or "outputs/runs/*" for all runs
     db.sql("SELECT stage, step, avg(reward) FROM rollouts GROUP BY ALL ORDER BY ALL").show()
+
+A view whose files do not exist yet (a run still in its first stage) is left out, so queries on
+the others work during a run.
 """
 
 from __future__ import annotations
@@ -11,12 +15,18 @@ from pathlib import Path
 
 import duckdb
 
-TABLES = ("rollouts", "steps")
+VIEWS_SQL = Path(__file__).with_name("views.sql")
 
 
-def connect(run_dir: str | Path) -> duckdb.DuckDBPyConnection:
+def connect(runs: str | Path) -> duckdb.DuckDBPyConnection:
     db = duckdb.connect()
-    for table in TABLES:
-        pattern = f"{run_dir}/{table}/*/*.parquet"
-        db.execute(f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{pattern}', union_by_name = true)")
+    script = VIEWS_SQL.read_text().replace("{runs}", str(runs).replace("'", "''"))
+    code = "\n".join(line for line in script.splitlines() if not line.lstrip().startswith("--"))
+    for statement in (s.strip() for s in code.split(";")):
+        if not statement:
+            continue
+        try:
+            db.execute(statement)
+        except duckdb.IOException:
+            pass  # no files for this table yet
     return db

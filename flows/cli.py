@@ -1,4 +1,5 @@
-"""`rstar2 run`: the whole pipeline from the command line (the same flow the UI triggers)."""
+"""`rstar2 run`: the whole pipeline from the command line (the same flow the UI triggers);
+`rstar2 query "SQL"`: SQL over the runs' tables."""
 
 from __future__ import annotations
 
@@ -38,7 +39,15 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--run-id", default=None, help="name of the run folder (default: generated)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config field, e.g. --set rl.roc.mode=off")
+    query = commands.add_parser("query", help="run SQL on the DuckDB views (dashboards/views.sql)")
+    query.add_argument("sql", help='e.g. "SELECT stage, step, avg(reward) FROM rollouts GROUP BY ALL"')
+    query.add_argument("--runs", default="outputs/runs/*", help="run folder or glob (default: every run)")
     args = parser.parse_args(argv)
+    if args.command == "query":
+        from dashboards.views import connect
+
+        connect(args.runs).sql(args.sql).show(max_width=200)
+        return
     from flows.pipeline import pipeline
 
     pipeline(config=args.config, run_id=args.run_id, overrides=_overrides(args.set))

@@ -4,7 +4,7 @@ from prefect import flow
 
 from tasks.config import RunConfig, StageConfig
 from tasks.data.problems import Problem
-from tasks.report import end_run, start_stage_run
+from tasks.report import end_run, publish_stage_summary, start_stage_run, track_progress
 from tasks.rl_update import (checkpoint, keep_unsolved, prepare_trainer, record_step, rollout_spec,
                              sample_problems, select_batch, sync_weights, update_policy)
 from tasks.rollouts import roll_out, score, write_rollouts
@@ -35,7 +35,10 @@ def rl_stage(cfg: RunConfig, ctx: RunContext, runtime: Runtime, stage: StageConf
         spec = rollout_spec(cfg, stage.max_turns, stage.max_response_tokens, cfg.rollout.temperature)
         attempts = roll_out(runtime, problems, stage.difficulty_attempts, spec, desc="difficulty filter")
         problems = keep_unsolved(ctx, stage_run, score(runtime, attempts), stage.difficulty_attempts)
+    progress, steps = track_progress(None, stage.name, 0, stage.steps), []
     for step in range(stage.steps):
-        rl_step(cfg, ctx, runtime, stage, step, problems, stage_run)
+        steps.append(rl_step(cfg, ctx, runtime, stage, step, problems, stage_run))
+        track_progress(progress, stage.name, step + 1, stage.steps)
+    publish_stage_summary(stage.name, steps)
     end_run(ctx, stage_run)
     return stage.steps

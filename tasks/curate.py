@@ -121,4 +121,7 @@ def record_curation(ctx: RunContext, counts: list[dict]) -> None:
     """The per-filter counts as metrics of the run's MLflow parent run."""
     metrics = {f"curation/{c['filter']}_removed": c["removed"] for c in counts}
     metrics["curation/kept"] = counts[-1]["kept"]
-    ctx.tracker.log_metrics(ctx.mlflow_run_id, metrics, 0)
+    tracker = ctx.tracker
+    tracker.log_metrics(ctx.mlflow_run_id, metrics, 0)
+    for split in ("train", "heldout"):
+        tracker.log_dataset(ctx.mlflow_run_id, split, ctx.run_dir / "data" / f"{split}.parquet", split)

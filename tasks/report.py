@@ -7,9 +7,11 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
+from uuid import UUID
 
 from prefect import task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
+                                update_progress_artifact)
 from prefect.cache_policies import NO_CACHE
 from rich.console import Console
 from rich.table import Table
@@ -41,9 +43,13 @@ def start_pipeline_run(cfg: RunConfig, config_path: str, run_id: str | None) -> 
     tracker = Tracker(cfg.output_dir)
     params = {"config_path": config_path, "git_commit": _git_commit(), "run_dir": str(run_dir)}
     params.update(_flatten(cfg.model_dump(mode="json")))
-    mlflow_run_id = tracker.start_run(run_id, params, tags={"rstar2.run_id": run_id})
+    # Tags to filter and group runs by in the MLflow UI (e.g. tags.`rstar2.roc_mode` = 'off').
+    tags = {"rstar2.run_id": run_id, "rstar2.config": cfg.name, "rstar2.roc_mode": cfg.rl.roc.mode,
+            "rstar2.scheduler": cfg.engine.scheduler}
+    mlflow_run_id = tracker.start_run(run_id, params, tags=tags)
+    tracker.log_artifact(mlflow_run_id, run_dir / "config.json")
     print(f"run {run_id}: outputs in {run_dir}, MLflow run {mlflow_run_id} ({tracker.uri})")
-    return RunContext(run_id, run_dir, mlflow_run_id, Path(cfg.output_dir))
+    return RunContext(run_id, run_dir, mlflow_run_id, Path(cfg.output_dir), tags)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -59,7 +65,27 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 @task(cache_policy=NO_CACHE)
 def start_stage_run(ctx: RunContext, stage: str, params: dict) -> str:
     return ctx.tracker.start_run(stage, params, parent_run_id=ctx.mlflow_run_id,
-                                 tags={"rstar2.run_id": ctx.run_id, "rstar2.stage": stage})
+                                 tags={"rstar2.run_id": ctx.run_id, **ctx.tags, "rstar2.stage": stage})
+
+
+@task(cache_policy=NO_CACHE)
+def track_progress(artifact_id: UUID | None, stage: str, done: int, total: int) -> UUID:
+    """A Prefect progress artifact for the stage (percent of its steps done), created at 0."""
+    percent = 100.0 * done / max(total, 1)
+    if artifact_id is None:
+        key = "rl-progress-" + "".join(c if c.isalnum() else "-" for c in stage.lower())
+        return create_progress_artifact(percent, key=key, description=f"RL stage {stage}: steps done")
+    return update_progress_artifact(artifact_id, percent, description=f"RL stage {stage}: {done} of {total} steps")
+
+
+@task(cache_policy=NO_CACHE)
+def publish_stage_summary(stage: str, steps: list[dict]) -> None:
+    """The stage's steps as a Prefect table artifact: reward, kept, tool use, length, timing."""
+    columns = ("reward_mean", "kept", "tool_call_rate", "tool_error_rate", "response_length_mean",
+               "engine_idle_fraction", "time_rollout_s", "time_update_s")
+    rows = [{"step": step, **{c: round(float(m[c]), 4) for c in columns if c in m}} for step, m in enumerate(steps)]
+    key = "stage-summary-" + "".join(c if c.isalnum() else "-" for c in stage.lower())
+    create_table_artifact(rows, key=key, description=f"RL stage {stage}, one row per step")
 
 
 @task(cache_policy=NO_CACHE)

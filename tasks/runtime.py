@@ -8,7 +8,7 @@ failure included. Tests use the same object.
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -32,6 +32,7 @@ class RunContext:
     run_dir: Path
     mlflow_run_id: str
     output_dir: Path
+    tags: dict = field(default_factory=dict)  # MLflow tags every run of this pipeline run carries
 
     @property
     def tracker(self) -> Tracker:

@@ -10,6 +10,7 @@ from pathlib import Path
 import duckdb
 import pytest
 from mlflow.tracking import MlflowClient
+from prefect import get_client
 from prefect.testing.utilities import prefect_test_harness
 
 from dashboards.views import connect
@@ -42,6 +43,8 @@ def run(tmp_path_factory):
     }
     with prefect_test_harness(server_startup_timeout=180):  # a new database migrates first
         result = pipeline(config=str(CONFIG), run_id="e2e", overrides=overrides)
+        with get_client(sync_client=True) as client:  # while the test server is up
+            result["artifacts"] = {a.key: a for a in client.read_artifacts() if a.key}
     return result, output_dir
 
 
@@ -122,3 +125,42 @@ def test_mlflow_has_nested_stage_runs_with_step_metrics(run):
                    "time_rollout_s", "time_tool_wait_s"):
         assert [m.step for m in client.get_metric_history(rl, metric)] == [0, 1], metric
     assert "eval/stage1/pass_at_1" in parent[0].data.metrics
+    # Tags to compare runs by, on the parent and every stage; the config and the data as inputs.
+    for r in [parent[0], *stages.values()]:
+        assert r.data.tags["rstar2.roc_mode"] == "paper" and r.data.tags["rstar2.config"] == "tiny"
+    assert [a.path for a in client.list_artifacts(parent[0].info.run_id) if a.path == "config.json"] == ["config.json"]
+    inputs = client.get_run(parent[0].info.run_id).inputs.dataset_inputs
+    assert sorted(i.dataset.name for i in inputs) == ["heldout", "train"]
+
+
+def test_readme_query_commands_return_the_expected_shape(run, capsys):
+    """Every `rstar2 query` example of the README, through the command itself, on this run."""
+    import shlex
+
+    from flows.cli import main
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    commands = [shlex.split(line)[1:] for line in readme.splitlines() if line.startswith(".venv/bin/rstar2 query ")]
+    assert len(commands) == 4
+    result, _ = run
+    expected_columns = [["stage", "step", "tool_error_rate", "calls"], ["problem_id"],
+                        ["checkpoint", "benchmark", "pass_at_1", "turns_mean", "tool_error_rate"],
+                        ["stage", "step", "reward"]]
+    for argv, columns in zip(commands, expected_columns):
+        argv = [a for a in argv if a not in ("--runs", "outputs/runs/<run_id>")]
+        sql = argv[1]
+        rows = connect(result["run_dir"]).sql(sql)
+        assert rows.columns[: len(columns)] == columns, sql
+        assert len(rows.fetchall()) > 0, sql
+        main(argv + ["--runs", result["run_dir"]])
+        assert columns[0] in capsys.readouterr().out
+
+
+def test_prefect_artifacts_summarise_curation_stages_and_progress(run):
+    result, _ = run
+    artifacts = result["artifacts"]
+    assert {"curation", "run-summary", "stage-summary-stage1", "stage-summary-hard", "rl-progress-stage1",
+            "difficulty-filter"} <= set(artifacts)
+    assert artifacts["rl-progress-stage1"].data == 100.0
+    stage1 = json.loads(artifacts["stage-summary-stage1"].data)
+    assert [row["step"] for row in stage1] == [0, 1] and "reward_mean" in stage1[0]

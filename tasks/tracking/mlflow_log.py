@@ -6,10 +6,11 @@ active run in thread-local state, and Prefect runs tasks on worker threads.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 
-from mlflow.entities import Metric, Param, RunStatus
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
 EXPERIMENT = "rstar2-pipeline"
@@ -53,6 +54,12 @@ class Tracker:
 
     def log_artifact(self, run_id: str, path: str | Path) -> None:
         self.client.log_artifact(run_id, str(path))
+
+    def log_dataset(self, run_id: str, name: str, path: Path, context: str) -> None:
+        """A Parquet table as a dataset input of the run (name, content digest, where it lies)."""
+        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+        dataset = Dataset(name=name, digest=digest, source_type="local", source=str(Path(path).resolve()))
+        self.client.log_inputs(run_id, [DatasetInput(dataset, [InputTag("mlflow.data.context", context)])])
 
     def end_run(self, run_id: str, ok: bool = True) -> None:
         status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
