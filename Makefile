@@ -30,7 +30,9 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 run: setup
 	$(VENV)/bin/rstar2 run --config $(CONFIG) $(ARGS)
 
+# The dashboard test renders the Streamlit app in Debian's headless Chromium.
 test: setup
+	@command -v chromium >/dev/null || (apt-get update && apt-get install -y --no-install-recommends chromium)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -164,3 +164,52 @@ def test_prefect_artifacts_summarise_curation_stages_and_progress(run):
     assert artifacts["rl-progress-stage1"].data == 100.0
     stage1 = json.loads(artifacts["stage-summary-stage1"].data)
     assert [row["step"] for row in stage1] == [0, 1] and "reward_mean" in stage1[0]
+
+
+# Ready when all six charts have drawn marks, the drill-down table is there and the trajectory
+# text is shown; the value says what rendered.
+DASHBOARD_READY = """(() => {
+    const charts = document.querySelectorAll('[data-testid=stVegaLiteChart]');
+    const drawn = [...charts].filter(c => c.querySelector('canvas, svg')).length;
+    const table = document.querySelectorAll('[data-testid=stDataFrame]').length;
+    const code = [...document.querySelectorAll('[data-testid=stCode]')].map(c => c.innerText).join('');
+    return drawn >= 6 && table >= 1 && code.length > 0 ? {drawn, table, code: code.length} : null;
+})()"""
+
+
+def test_streamlit_dashboard_renders_charts_with_data(run):
+    """The dashboard on this run in headless Chromium; the screenshot is kept under outputs/."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from tests.browser import _free_port, render
+
+    result, _ = run
+    root = Path(__file__).resolve().parent.parent
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", str(root / "dashboards" / "app.py"), "--server.headless=true",
+         "--server.address=127.0.0.1", f"--server.port={port}", "--browser.gatherUsageStats=false",
+         "--", "--runs", result["run_dir"]],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=1) as response:
+                    if response.read() == b"ok":
+                        break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise
+                time.sleep(0.2)
+        screenshot = root / "outputs" / "test-artifacts" / "dashboard.png"
+        rendered = render(f"http://127.0.0.1:{port}/", DASHBOARD_READY, screenshot)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert rendered and rendered["drawn"] >= 6 and rendered["code"] > 0, rendered
+    assert screenshot.stat().st_size > 20_000
