@@ -13,13 +13,12 @@ from prefect import flow
 from flows.curate import consensus, curate
 from flows.evaluate import evaluate
 from flows.rl import rl_stage
-from flows.sft import sft
+from flows.sft import base_model, sft
 from tasks.config import default_config_path, load_config
 from tasks.curate import load_benchmarks, load_problems
-from tasks.report import Stopwatch, end_run, publish_summary, stage_row, start_pipeline_run, start_stage_run
+from tasks.report import Stopwatch, end_run, publish_summary, stage_row, start_pipeline_run
 from tasks.rollouts import serve_policy
 from tasks.runtime import Runtime
-from tasks.sft import build_base_model
 
 
 @flow(name="rstar2-pipeline", log_prints=True)
@@ -33,9 +32,7 @@ def pipeline(config: str = str(default_config_path()), run_id: str | None = None
         train, heldout = load_problems(splits["train"]), load_problems(splits["heldout"])
         benchmarks = load_benchmarks(cfg.data)
         rows.append(stage_row("curate", None, None, None, clock.lap()))
-        base_run = start_stage_run(ctx, "base", cfg.model.model_dump(mode="json"))
-        base_dir, base_steps = build_base_model(cfg, ctx, splits["train"], base_run)
-        end_run(ctx, base_run)
+        base_dir, base_steps = base_model(cfg, ctx, splits["train"])
         with Runtime(cfg, base_dir, ctx.run_dir) as runtime:
             before = evaluate(cfg, ctx, runtime, "base", heldout, benchmarks)
             rows.append(stage_row("base model", base_steps, None, before, clock.lap()))

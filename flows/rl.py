@@ -5,7 +5,9 @@ from prefect import flow
 from tasks.config import RunConfig, StageConfig
 from tasks.data.problems import Problem
 from tasks.report import end_run, publish_stage_summary, start_stage_run, track_progress
-from tasks.rl_update import (checkpoint, keep_unsolved, prepare_trainer, record_step, rollout_spec,
+from tasks.curate import problem_ids, select_problems
+from tasks.resume import finished, mark_finished
+from tasks.rl_update import (checkpoint, keep_unsolved, prepare_trainer, record_step, resume_stage, rollout_spec,
                              sample_problems, select_batch, sync_weights, update_policy)
 from tasks.rollouts import roll_out, score, write_rollouts
 from tasks.runtime import RunContext, Runtime
@@ -29,16 +31,22 @@ def rl_step(cfg: RunConfig, ctx: RunContext, runtime: Runtime, stage: StageConfi
 @flow(name="rl-stage", log_prints=True, validate_parameters=False)
 def rl_stage(cfg: RunConfig, ctx: RunContext, runtime: Runtime, stage: StageConfig,
              problems: list[Problem], total_steps: int) -> int:
+    if (done := finished(ctx, f"rl-{stage.name}")) is not None:
+        return done
     stage_run = start_stage_run(ctx, stage.name, stage.model_dump(mode="json"))
     prepare_trainer(runtime, total_steps, stage.reset_optimizer)
+    first = resume_stage(runtime, ctx, cfg, stage, stage_run)
     if stage.hard_only:
-        spec = rollout_spec(cfg, stage.max_turns, stage.max_response_tokens, cfg.rollout.temperature)
-        attempts = roll_out(runtime, problems, stage.difficulty_attempts, spec, desc="difficulty filter")
-        problems = keep_unsolved(ctx, stage_run, score(runtime, attempts), stage.difficulty_attempts)
-    progress, steps = track_progress(None, stage.name, 0, stage.steps), []
-    for step in range(stage.steps):
-        steps.append(rl_step(cfg, ctx, runtime, stage, step, problems, stage_run))
+        if (hard := finished(ctx, f"difficulty-{stage.name}")) is None:
+            spec = rollout_spec(cfg, stage.max_turns, stage.max_response_tokens, cfg.rollout.temperature)
+            attempts = score(runtime, roll_out(runtime, problems, stage.difficulty_attempts, spec, desc="difficulty"))
+            hard = mark_finished(ctx, f"difficulty-{stage.name}",
+                                 problem_ids(keep_unsolved(ctx, stage_run, attempts, stage.difficulty_attempts)))
+        problems = select_problems(problems, hard)
+    progress = track_progress(None, stage.name, first, stage.steps)
+    for step in range(first, stage.steps):
+        rl_step(cfg, ctx, runtime, stage, step, problems, stage_run)
         track_progress(progress, stage.name, step + 1, stage.steps)
-    publish_stage_summary(stage.name, steps)
+    publish_stage_summary(ctx, stage.name)
     end_run(ctx, stage_run)
-    return stage.steps
+    return mark_finished(ctx, f"rl-{stage.name}", stage.steps)

@@ -190,7 +190,9 @@ class RLConfig(_Strict):
     loss: LossConfig = LossConfig()
     optim: OptimConfig = OptimConfig()
     stages: list[StageConfig]
-    checkpoint_keep: int = 2  # DeepSpeed checkpoints kept per stage (one is written every step)
+    # DeepSpeed checkpoints kept per stage (one is written every step); 2 lets a run resume from
+    # its last recorded step even when it was killed after writing the next step's checkpoint.
+    checkpoint_keep: int = Field(2, ge=2)
 
     @property
     def rollouts_per_problem(self) -> int:

@@ -112,6 +112,17 @@ def load_benchmarks(data: DataConfig) -> dict[str, list[Problem]]:
     return {source.name: load_benchmark(source, data) for source in data.benchmarks}
 
 
+def problem_ids(problems: list[Problem]) -> list[str]:
+    return [p.problem_id for p in problems]
+
+
+@task(cache_policy=NO_CACHE)
+def select_problems(problems: list[Problem], ids: list[str]) -> list[Problem]:
+    """The problems with these ids, in their original order (a filter's recorded choice)."""
+    keep = set(ids)
+    return [p for p in problems if p.problem_id in keep]
+
+
 def load_problems(path: Path) -> list[Problem]:
     return [Problem(**row) for row in read_table(path)]
 

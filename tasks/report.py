@@ -38,14 +38,25 @@ def _git_commit() -> str:
 def start_pipeline_run(cfg: RunConfig, config_path: str, run_id: str | None) -> RunContext:
     run_id = run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     run_dir = cfg.run_dir(run_id)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    config_json = cfg.model_dump_json(indent=2)
     tracker = Tracker(cfg.output_dir)
-    params = {"config_path": config_path, "git_commit": _git_commit(), "run_dir": str(run_dir)}
-    params.update(_flatten(cfg.model_dump(mode="json")))
-    # Tags to filter and group runs by in the MLflow UI (e.g. tags.`rstar2.roc_mode` = 'off').
     tags = {"rstar2.run_id": run_id, "rstar2.config": cfg.name, "rstar2.roc_mode": cfg.rl.roc.mode,
             "rstar2.scheduler": cfg.engine.scheduler}
+    if (run_dir / "config.json").exists():
+        # The same run id again (or a retried flow run): continue it, with the same config only.
+        if (run_dir / "config.json").read_text() != config_json:
+            raise ValueError(f"run {run_id} exists in {run_dir} with another config: resume it with the same config "
+                             "and overrides, or choose a new run id")
+        mlflow_run_id = tracker.find_run({"rstar2.run_id": run_id})
+        if mlflow_run_id is not None:
+            tracker.reopen(mlflow_run_id)
+            print(f"run {run_id}: resuming in {run_dir}, MLflow run {mlflow_run_id} ({tracker.uri})")
+            return RunContext(run_id, run_dir, mlflow_run_id, Path(cfg.output_dir), tags)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(config_json)
+    params = {"config_path": config_path, "git_commit": _git_commit(), "run_dir": str(run_dir)}
+    params.update(_flatten(cfg.model_dump(mode="json")))
+    # The tags above filter and group runs in the MLflow UI (e.g. tags.`rstar2.roc_mode` = 'off').
     mlflow_run_id = tracker.start_run(run_id, params, tags=tags)
     tracker.log_artifact(mlflow_run_id, run_dir / "config.json")
     print(f"run {run_id}: outputs in {run_dir}, MLflow run {mlflow_run_id} ({tracker.uri})")
@@ -64,8 +75,14 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 @task(cache_policy=NO_CACHE)
 def start_stage_run(ctx: RunContext, stage: str, params: dict) -> str:
-    return ctx.tracker.start_run(stage, params, parent_run_id=ctx.mlflow_run_id,
-                                 tags={"rstar2.run_id": ctx.run_id, **ctx.tags, "rstar2.stage": stage})
+    """The stage's nested MLflow run: the one an interrupted attempt started, or a new one."""
+    tracker = ctx.tracker
+    existing = tracker.find_run({"rstar2.run_id": ctx.run_id, "rstar2.stage": stage}, ctx.mlflow_run_id)
+    if existing is not None:
+        tracker.reopen(existing)
+        return existing
+    return tracker.start_run(stage, params, parent_run_id=ctx.mlflow_run_id,
+                             tags={"rstar2.run_id": ctx.run_id, **ctx.tags, "rstar2.stage": stage})
 
 
 @task(cache_policy=NO_CACHE)
@@ -79,11 +96,16 @@ def track_progress(artifact_id: UUID | None, stage: str, done: int, total: int) 
 
 
 @task(cache_policy=NO_CACHE)
-def publish_stage_summary(stage: str, steps: list[dict]) -> None:
-    """The stage's steps as a Prefect table artifact: reward, kept, tool use, length, timing."""
+def publish_stage_summary(ctx: RunContext, stage: str) -> None:
+    """The stage's steps (from the steps table, so a resumed stage shows all of them) as a Prefect
+    table artifact: reward, kept, tool use, length, timing."""
     columns = ("reward_mean", "kept", "tool_call_rate", "tool_error_rate", "response_length_mean",
                "engine_idle_fraction", "time_rollout_s", "time_update_s")
-    rows = [{"step": step, **{c: round(float(m[c]), 4) for c in columns if c in m}} for step, m in enumerate(steps)]
+    steps: dict[int, dict] = {}
+    for part in sorted((ctx.run_dir / "steps" / stage).glob("step-*.parquet")):
+        for row in read_table(part):
+            steps.setdefault(row["step"], {})[row["metric"]] = row["value"]
+    rows = [{"step": step, **{c: round(float(m[c]), 4) for c in columns if c in m}} for step, m in sorted(steps.items())]
     key = "stage-summary-" + "".join(c if c.isalnum() else "-" for c in stage.lower())
     create_table_artifact(rows, key=key, description=f"RL stage {stage}, one row per step")
 

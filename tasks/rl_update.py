@@ -18,7 +18,7 @@ from tasks.rollout.agent import RolloutSpec
 from tasks.rollout.metrics import max_logprob_gap, rollout_metrics
 from tasks.rollouts import Rollouts
 from tasks.runtime import RunContext, Runtime
-from tasks.store.tables import STEPS, step_part, write_table
+from tasks.store.tables import STEPS, read_table, step_part, write_table
 
 
 def rollout_spec(cfg: RunConfig, max_turns: int, max_response_tokens: int, temperature: float) -> RolloutSpec:
@@ -104,6 +104,38 @@ def keep_unsolved(ctx: RunContext, stage_run_id: str, rollouts: Rollouts, attemp
     return hard
 
 
+def _log_step_once(ctx: RunContext, stage_run_id: str, step: int, metrics: dict) -> None:
+    tracker = ctx.tracker
+    if step not in tracker.metric_steps(stage_run_id, "reward_mean"):
+        tracker.log_metrics(stage_run_id, metrics, step)
+
+
+@task(cache_policy=NO_CACHE)
+def resume_stage(runtime: Runtime, ctx: RunContext, cfg: RunConfig, stage: StageConfig, stage_run_id: str) -> int:
+    """The first step of `stage` still to run. Steps with a row in the steps table are done: the
+    trainer continues from the last one's checkpoint (weights, optimizer, schedule), its metrics
+    reach MLflow if the interruption fell between the table and MLflow, and the engines get its
+    weights. A stage not started yet, after earlier stages finished by an earlier attempt, starts
+    from the previous stage's last checkpoint."""
+    done = [k for k in range(stage.steps) if step_part(ctx.run_dir, "steps", stage.name, k).exists()]
+    names = [s.name for s in cfg.rl.stages]
+    previous = names[names.index(stage.name) - 1] if names.index(stage.name) > 0 else None
+    trained_here, runtime.stages_trained = set(runtime.stages_trained), runtime.stages_trained | {stage.name}
+    if done:
+        last = max(done)
+        runtime.trainer.load_checkpoint(ctx.run_dir / "checkpoints" / stage.name, tag=f"step-{last:05d}")
+        rows = read_table(step_part(ctx.run_dir, "steps", stage.name, last))
+        _log_step_once(ctx, stage_run_id, last, {r["metric"]: r["value"] for r in rows})
+    elif previous is not None and previous not in trained_here:
+        runtime.trainer.load_checkpoint(ctx.run_dir / "checkpoints" / previous, weights_only=stage.reset_optimizer)
+    else:
+        return 0
+    runtime.engine.load_weights(runtime.trainer.named_weights())
+    first = max(done) + 1 if done else 0
+    print(f"{stage.name}: resuming at step {first} of {stage.steps}")
+    return first
+
+
 @task(cache_policy=NO_CACHE)
 def record_step(ctx: RunContext, stage_run_id: str, stage: StageConfig, step: int, rollouts: Rollouts,
                 batch: TrainingBatch, update: dict) -> dict:
@@ -116,10 +148,11 @@ def record_step(ctx: RunContext, stage_run_id: str, stage: StageConfig, step: in
                     "time_tool_exec_s": times.tool_exec_s, "engine_idle_fraction": times.engine_idle_fraction,
                     "engine_preemptions": times.preemptions})
     metrics.update(update)
-    ctx.tracker.log_metrics(stage_run_id, metrics, step)
     rows = [{"run_id": ctx.run_id, "stage": stage.name, "step": step, "metric": k, "value": float(v)}
             for k, v in metrics.items()]
+    # The table row marks the step done (see resume_stage); MLflow follows, at most once per step.
     write_table(rows, STEPS, step_part(ctx.run_dir, "steps", stage.name, step))
+    _log_step_once(ctx, stage_run_id, step, metrics)
     print(f"[{stage.name} step {step}] reward {metrics['reward_mean']:.3f} kept {metrics['kept']} "
           f"tool calls {metrics['tool_calls']} errors {metrics['tool_errors']} "
           f"rollout {times.total_s:.1f}s update {update.get('time_update_s', 0.0):.1f}s")

@@ -48,6 +48,7 @@ class Runtime:
         self.engine: EnginePool | None = None
         self.verifier: Verifier | None = None
         self.trainer: Trainer | None = None
+        self.stages_trained: set[str] = set()  # RL stages this process has trained (or resumed)
 
     def __enter__(self) -> Runtime:
         box = self.cfg.sandbox

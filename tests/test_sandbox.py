@@ -271,3 +271,24 @@ async def _get_json(url: str) -> dict:
     async with aiohttp.ClientSession() as session:
         async with session.get(url) as response:
             return await response.json()
+
+
+def test_service_stops_when_its_parent_is_killed(tmp_path) -> None:
+    """A pipeline killed with SIGKILL cannot stop its sandbox: the service notices and stops."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = ("import sys, time\nfrom tasks.sandbox.server import SandboxService\n"
+              "box = SandboxService(workers=1).start()\nprint(box._process.pid, flush=True)\ntime.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              cwd=PROJECT_ROOT)
+    server_pid = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 15
+    while Path(f"/proc/{server_pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stat = Path(f"/proc/{server_pid}/stat")
+    assert not stat.exists() or stat.read_text().split(")")[1].split()[0] == "Z"

@@ -21,6 +21,7 @@ import asyncio
 import collections
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -216,6 +217,20 @@ def create_app(
     return app
 
 
+async def _watch_parent(app: web.Application) -> None:
+    """Stop (as on SIGTERM: cells and template closed) once our parent is gone: a pipeline
+    killed with SIGKILL cannot stop the service it started, and an orphan would hold its port."""
+    parent = os.getppid()
+
+    async def watch() -> None:
+        while os.getppid() == parent:
+            await asyncio.sleep(1.0)
+        print("sandbox: the process that started it is gone; stopping", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    app["parent_watch"] = asyncio.get_running_loop().create_task(watch())
+
+
 def _limit_flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -231,6 +246,11 @@ def main(argv: list[str] | None = None) -> None:
         "--max-queue", type=int, default=4096, help="calls that may wait for a worker; more get 503"
     )
     serve.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="stop when the process that started this one dies (even by SIGKILL)",
+    )
+    serve.add_argument(
         "--spawn",
         action="store_true",
         help="start a fresh interpreter per call instead of forking from a warm template",
@@ -244,6 +264,8 @@ def main(argv: list[str] | None = None) -> None:
 
     limits = Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
     app = create_app(args.workers, args.max_queue, limits, template=not args.spawn)
+    if args.exit_with_parent:
+        app.on_startup.append(_watch_parent)
     print(
         f"sandbox on http://{args.host}:{args.port}: {args.workers} workers, "
         f"queue {args.max_queue}, {limits}",
@@ -315,7 +337,7 @@ class SandboxService:
         argv = [
             sys.executable, "-m", "tasks.sandbox.server", "serve",
             "--host", self.host, "--port", str(self.port),
-            "--workers", str(self.workers), "--max-queue", str(self.max_queue),
+            "--workers", str(self.workers), "--max-queue", str(self.max_queue), "--exit-with-parent",
         ]  # fmt: skip
         for f in fields(Limits):
             argv += [_limit_flag(f.name), str(getattr(self.limits, f.name))]

@@ -46,6 +46,20 @@ class Tracker:
                 self.client.log_batch(run_id, params=batch[start : start + 100])
         return run_id
 
+    def find_run(self, tags: dict[str, str], parent_run_id: str | None = None) -> str | None:
+        """The run with these tags (and this parent, or none): what a resumed run continues."""
+        query = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
+        for run in self.client.search_runs([self.experiment_id], query, max_results=50):
+            if run.data.tags.get("mlflow.parentRunId") == parent_run_id:
+                return run.info.run_id
+        return None
+
+    def reopen(self, run_id: str) -> None:
+        self.client.update_run(run_id, status="RUNNING")
+
+    def metric_steps(self, run_id: str, key: str) -> set[int]:
+        return {m.step for m in self.client.get_metric_history(run_id, key)}
+
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]

@@ -32,9 +32,15 @@ def init_distributed() -> None:
     """A single-process group unless a launcher (torchrun, deepspeed) already set one up."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    inherited = os.environ.get("RSTAR2_OWN_GROUP_PORT")
+    if "WORLD_SIZE" not in os.environ or (inherited and inherited == os.environ.get("MASTER_PORT")):
+        # Our own one-process group. Child processes inherit these variables; the marker (the
+        # port we chose) tells a child that no launcher set them (a launcher such as torchrun
+        # sets its own port), so it takes a port of its own instead of its parent's, which the
+        # parent may still listen on.
+        port = str(_free_port())
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                           "MASTER_PORT": port, "RSTAR2_OWN_GROUP_PORT": port})
     import deepspeed
     from deepspeed.utils import groups
 
@@ -236,9 +242,12 @@ class Trainer:
         """Everything to continue exactly: weights, optimizer, lr schedule, step counters."""
         self.engine.save_checkpoint(str(directory), tag=tag, client_state=client_state or {})
 
-    def load_checkpoint(self, directory: Path, tag: str | None = None) -> dict:
-        """Restore a checkpoint (the latest when tag is None); returns its client state."""
-        path, client_state = self.engine.load_checkpoint(str(directory), tag=tag)
+    def load_checkpoint(self, directory: Path, tag: str | None = None, weights_only: bool = False) -> dict:
+        """Restore a checkpoint (the latest when tag is None); returns its client state.
+        `weights_only`: keep this trainer's fresh optimizer and schedule (a stage that resets them)."""
+        path, client_state = self.engine.load_checkpoint(
+            str(directory), tag=tag, load_optimizer_states=not weights_only,
+            load_lr_scheduler_states=not weights_only, load_module_only=weights_only)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag or 'latest'} under {directory}")
         return client_state or {}
