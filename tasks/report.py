@@ -20,7 +20,7 @@ from tasks.config import RunConfig
 from tasks.rollouts import Rollouts
 from tasks.rollout.metrics import rollout_metrics
 from tasks.runtime import RunContext
-from tasks.store.tables import EVALUATIONS, read_table, write_table
+from tasks.store.tables import EVALUATIONS, read_table, write_json, write_table
 from tasks.tracking.mlflow_log import Tracker
 
 SUMMARY_COLUMNS = ["stage", "steps", "pass@1 before", "pass@1 after", "tool-call rate", "tool-error rate", "wall s"]
@@ -126,7 +126,14 @@ def summarize_eval(ctx: RunContext, label: str, benchmark: str, rollouts: Rollou
     ctx.tracker.log_metrics(ctx.mlflow_run_id, {f"{prefix}/{key}": v for key, v in metrics.items()})
     row = {"run_id": ctx.run_id, "checkpoint": label, "benchmark": benchmark, "problems": len(rollouts.problems),
            "k": k, **{c: metrics[c] for c in EVALUATIONS.names if c in metrics}}
-    write_table([row], EVALUATIONS, ctx.run_dir / "evaluations" / f"{label}--{benchmark}.parquet")
+    table = write_table([row], EVALUATIONS, ctx.run_dir / "evaluations" / f"{label}--{benchmark}.parquet")
+    # A few whole trajectories to read next to the numbers in the MLflow UI: the first sample of
+    # up to 8 problems.
+    samples = [{"problem_id": t.problem_id, "reward": r, "stop_reason": t.stop_reason, "response": t.response}
+               for t, r in zip(rollouts.trajectories, rollouts.rewards) if t.sample == 0][:8]
+    sample_path = write_json(samples, ctx.run_dir / "evaluations" / "samples" / f"{label}--{benchmark}.json")
+    for path in (table, sample_path):
+        ctx.tracker.log_artifact(ctx.mlflow_run_id, path, "evaluations")
     print(f"[eval {label} / {benchmark}] pass@1 (avg@{k}) {metrics['pass_at_1']:.3f}, tool-call rate "
           f"{metrics['tool_call_rate']:.2f}, tool-error rate {metrics['tool_error_rate']:.2f}")
     return metrics

@@ -6,8 +6,6 @@ table exists, and the trainer resumes from that step's checkpoint (tasks/rl_upda
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +13,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.runtime import RunContext
+from tasks.store.tables import write_json
 
 
 def _path(ctx: RunContext, name: str) -> Path:
@@ -34,10 +33,5 @@ def finished(ctx: RunContext, name: str) -> Any:
 @task(cache_policy=NO_CACHE)
 def mark_finished(ctx: RunContext, name: str, result: Any) -> Any:
     """Record stage `name` as finished with its (JSON-able) result, and return the result."""
-    path = _path(ctx, name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"result": result}, f, default=str)
-    os.replace(tmp, path)
+    path = write_json({"result": result}, _path(ctx, name))
     return json.loads(path.read_text())["result"]

@@ -4,7 +4,9 @@ wait until a JavaScript condition holds, take a full-page screenshot."""
 import asyncio
 import base64
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -31,16 +33,17 @@ def render(url: str, ready_js: str, screenshot: Path, timeout_s: float = 90.0) -
     if chromium is None:
         raise RuntimeError("chromium is not installed (`make test` installs Debian's package)")
     port = _free_port()
-    with tempfile.TemporaryDirectory() as profile:
+    # Chromium's helper processes may still write to the profile while they die.
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         browser = subprocess.Popen(
             [chromium, *FLAGS, f"--user-data-dir={profile}", "--window-size=1400,3600",
              f"--remote-debugging-port={port}", "--remote-debugging-address=127.0.0.1", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
         try:
             return asyncio.run(_drive(port, url, ready_js, screenshot, timeout_s))
         finally:
-            browser.kill()
+            os.killpg(browser.pid, signal.SIGKILL)  # the browser and its helper processes
             browser.wait()
 
 

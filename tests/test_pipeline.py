@@ -129,6 +129,8 @@ def test_mlflow_has_nested_stage_runs_with_step_metrics(run):
     for r in [parent[0], *stages.values()]:
         assert r.data.tags["rstar2.roc_mode"] == "paper" and r.data.tags["rstar2.config"] == "tiny"
     assert [a.path for a in client.list_artifacts(parent[0].info.run_id) if a.path == "config.json"] == ["config.json"]
+    evaluations = {a.path for a in client.list_artifacts(parent[0].info.run_id, "evaluations")}
+    assert {"evaluations/sft--heldout.parquet", "evaluations/sft--heldout.json"} <= evaluations
     inputs = client.get_run(parent[0].info.run_id).inputs.dataset_inputs
     assert sorted(i.dataset.name for i in inputs) == ["heldout", "train"]
 

@@ -7,6 +7,7 @@ run, stage and step, and DuckDB reads a whole table with `read_parquet('<run>/ro
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -92,6 +93,16 @@ def write_table(rows: list[dict], schema: pa.Schema, path: Path) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return path
+
+
+def write_json(value, path: Path) -> Path:
+    """Write JSON atomically (temp file + rename), like write_table."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(value, f, indent=1, default=str)
+    os.replace(tmp, path)
     return path
 
 

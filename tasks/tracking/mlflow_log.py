@@ -66,8 +66,8 @@ class Tracker:
         if batch:
             self.client.log_batch(run_id, metrics=batch)
 
-    def log_artifact(self, run_id: str, path: str | Path) -> None:
-        self.client.log_artifact(run_id, str(path))
+    def log_artifact(self, run_id: str, path: str | Path, folder: str | None = None) -> None:
+        self.client.log_artifact(run_id, str(path), folder)
 
     def log_dataset(self, run_id: str, name: str, path: Path, context: str) -> None:
         """A Parquet table as a dataset input of the run (name, content digest, where it lies)."""
