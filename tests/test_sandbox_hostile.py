@@ -92,7 +92,9 @@ HOSTILE: list[tuple[str, str, str, set[ToolStatus], object]] = [
      "import signal, time\nsignal.pthread_sigmask(signal.SIG_BLOCK, set(signal.Signals))\n"
      "time.sleep(10**6)", "", {S.TIMEOUT}, None),
     # --- memory
-    ("memory_bomb_list", "x = []\nwhile True:\n    x.append(' ' * 10**7)", "", {S.MEMORY}, None),
+    # Address space grows 10 MB at a time (zeroed pages, so the 1 s CPU limit is not what stops it
+    # on a loaded machine).
+    ("memory_bomb_list", "x = []\nwhile True:\n    x.append(bytearray(10**7))", "", {S.MEMORY}, None),
     ("memory_bomb_numpy", "import numpy as np\nnp.ones(10**10)", "", {S.MEMORY}, None),
     ("memory_bomb_bytes", "b'x' * (10**11)", "", {S.MEMORY}, None),
     # --- output
