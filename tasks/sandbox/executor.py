@@ -181,6 +181,16 @@ class _BudgetedOutput:
         self.output[fd] += data
         self.kept += len(data)
 
+    def result(self, returncode: int | None, timed_out: bool, wall_s: float) -> ToolResult:
+        """The call's structured result; `text(1)` / `text(2)` are the subclass's stdout / stderr."""
+        return ToolResult(
+            status=_classify(returncode, timed_out, self.overflow_fd is not None),
+            stdout=self.text(1),
+            stderr=self.text(2),
+            exit_code=returncode,
+            wall_s=round(wall_s, 4),
+        )
+
     def decoded(self, fd: int) -> str:
         text = self.output[fd].decode("utf-8", errors="replace")
         return text + TRUNCATION_MARKER if fd == self.overflow_fd else text
@@ -310,13 +320,7 @@ async def _spawn_and_wait(
     finally:
         transport.close()
 
-    return ToolResult(
-        status=_classify(returncode, timed_out, capture.overflow_fd is not None),
-        stdout=capture.text(1),
-        stderr=capture.text(2),
-        exit_code=returncode,
-        wall_s=round(wall_s, 4),
-    )
+    return capture.result(returncode, timed_out, wall_s)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -744,13 +748,7 @@ class TemplatePool:
         if call.wait_status is not None and call.wait_status >= 0:
             returncode = os.waitstatus_to_exitcode(call.wait_status)
         timed_out = stuck or call.ending == _END_TIMEOUT
-        return ToolResult(
-            status=_classify(returncode, timed_out, call.overflow_fd is not None),
-            stdout=call.text(1),
-            stderr=call.text(2),
-            exit_code=returncode,
-            wall_s=round(wall_s, 4),
-        )
+        return call.result(returncode, timed_out, wall_s)
 
 
 def _remove_cgroup(path: str) -> None:
