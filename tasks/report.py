@@ -20,7 +20,7 @@ from tasks.config import RunConfig
 from tasks.rollouts import Rollouts
 from tasks.rollout.metrics import rollout_metrics
 from tasks.runtime import RunContext
-from tasks.store.tables import EVALUATIONS, read_table, write_json, write_table
+from tasks.store.tables import EVALUATIONS, partition, read_table, write_json, write_table
 from tasks.tracking.mlflow_log import Tracker
 
 SUMMARY_COLUMNS = ["stage", "steps", "pass@1 before", "pass@1 after", "tool-call rate", "tool-error rate", "wall s"]
@@ -102,7 +102,7 @@ def publish_stage_summary(ctx: RunContext, stage: str) -> None:
     columns = ("reward_mean", "kept", "tool_call_rate", "tool_error_rate", "response_length_mean",
                "engine_idle_fraction", "time_rollout_s", "time_update_s")
     steps: dict[int, dict] = {}
-    for part in sorted((ctx.run_dir / "steps" / stage).glob("step-*.parquet")):
+    for part in (ctx.run_dir / "steps" / f"stage={stage}").glob("step=*/part-0.parquet"):
         for row in read_table(part):
             steps.setdefault(row["step"], {})[row["metric"]] = row["value"]
     rows = [{"step": step, **{c: round(float(m[c]), 4) for c in columns if c in m}} for step, m in sorted(steps.items())]
@@ -126,14 +126,14 @@ def summarize_eval(ctx: RunContext, label: str, benchmark: str, rollouts: Rollou
     ctx.tracker.log_metrics(ctx.mlflow_run_id, {f"{prefix}/{key}": v for key, v in metrics.items()})
     row = {"run_id": ctx.run_id, "checkpoint": label, "benchmark": benchmark, "problems": len(rollouts.problems),
            "k": k, **{c: metrics[c] for c in EVALUATIONS.names if c in metrics}}
-    table = write_table([row], EVALUATIONS, ctx.run_dir / "evaluations" / f"{label}--{benchmark}.parquet")
+    table = write_table([row], EVALUATIONS, partition(ctx.run_dir, "evaluations", checkpoint=label, benchmark=benchmark))
     # A few whole trajectories to read next to the numbers in the MLflow UI: the first sample of
     # up to 8 problems.
     samples = [{"problem_id": t.problem_id, "reward": r, "stop_reason": t.stop_reason, "response": t.response}
                for t, r in zip(rollouts.trajectories, rollouts.rewards) if t.sample == 0][:8]
-    sample_path = write_json(samples, ctx.run_dir / "evaluations" / "samples" / f"{label}--{benchmark}.json")
+    sample_path = write_json(samples, table.with_name("samples.json"))
     for path in (table, sample_path):
-        ctx.tracker.log_artifact(ctx.mlflow_run_id, path, "evaluations")
+        ctx.tracker.log_artifact(ctx.mlflow_run_id, path, f"evaluations/{label}/{benchmark}")
     print(f"[eval {label} / {benchmark}] pass@1 (avg@{k}) {metrics['pass_at_1']:.3f}, tool-call rate "
           f"{metrics['tool_call_rate']:.2f}, tool-error rate {metrics['tool_error_rate']:.2f}")
     return metrics
@@ -141,7 +141,7 @@ def summarize_eval(ctx: RunContext, label: str, benchmark: str, rollouts: Rollou
 
 def evaluation_markdown(run_dir: Path) -> str:
     """pass@1 of every evaluated checkpoint (rows, in evaluation order) on every benchmark."""
-    parts = sorted((run_dir / "evaluations").glob("*.parquet"), key=lambda p: p.stat().st_mtime_ns)
+    parts = sorted((run_dir / "evaluations").glob("*/*/part-0.parquet"), key=lambda p: p.stat().st_mtime_ns)
     rows = [row for part in parts for row in read_table(part)]
     checkpoints = list(dict.fromkeys(r["checkpoint"] for r in rows))
     benchmarks = list(dict.fromkeys(r["benchmark"] for r in rows))

@@ -63,7 +63,7 @@ def test_summary_has_every_stage(run):
 def test_evaluation_table_compares_checkpoints_on_every_benchmark(run):
     result, _ = run
     rows = duckdb.sql(f"SELECT checkpoint, benchmark, problems, k, pass_at_1 FROM "
-                      f"read_parquet('{result['run_dir']}/evaluations/*.parquet') ORDER BY ALL").fetchall()
+                      f"read_parquet('{result['run_dir']}/evaluations/*/*/*.parquet') ORDER BY ALL").fetchall()
     assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
         (c, b, n, 2) for c in ("base", "hard", "sft", "stage1") for b, n in (("heldout", 6), ("mini", 3))]
     assert all(0.0 <= r[4] <= 1.0 for r in rows)
@@ -74,7 +74,7 @@ def test_evaluation_table_compares_checkpoints_on_every_benchmark(run):
 
 def test_rollout_rows_are_queryable_and_consistent(run):
     result, _ = run
-    table = f"read_parquet('{result['run_dir']}/rollouts/*/*.parquet')"
+    table = f"read_parquet('{result['run_dir']}/rollouts/*/*/*.parquet')"
     counts = dict(duckdb.sql(f"SELECT stage || '/' || step, count(*) FROM {table} GROUP BY ALL").fetchall())
     # RL steps: 4 problems x 2G = 8 rollouts each; evaluations: 6 held-out problems x k = 2, and
     # the 3 benchmark problems x k = 2.
@@ -129,8 +129,8 @@ def test_mlflow_has_nested_stage_runs_with_step_metrics(run):
     for r in [parent[0], *stages.values()]:
         assert r.data.tags["rstar2.roc_mode"] == "paper" and r.data.tags["rstar2.config"] == "tiny"
     assert [a.path for a in client.list_artifacts(parent[0].info.run_id) if a.path == "config.json"] == ["config.json"]
-    evaluations = {a.path for a in client.list_artifacts(parent[0].info.run_id, "evaluations")}
-    assert {"evaluations/sft--heldout.parquet", "evaluations/sft--heldout.json"} <= evaluations
+    evaluations = {a.path for a in client.list_artifacts(parent[0].info.run_id, "evaluations/sft/heldout")}
+    assert evaluations == {"evaluations/sft/heldout/part-0.parquet", "evaluations/sft/heldout/samples.json"}
     inputs = client.get_run(parent[0].info.run_id).inputs.dataset_inputs
     assert sorted(i.dataset.name for i in inputs) == ["heldout", "train"]
 

@@ -45,7 +45,7 @@ def table_parts(run_dir: Path, table: str) -> dict[tuple, tuple[int, int]]:
     key = "problem_id || ':' || sample" if table == "rollouts" else "metric"
     return {(stage, step): (rows, keys) for stage, step, rows, keys in duckdb.sql(
         f"SELECT stage, step, count(*), count(DISTINCT {key}) FROM "
-        f"read_parquet('{run_dir}/{table}/*/*.parquet') GROUP BY ALL").fetchall()}
+        f"read_parquet('{run_dir}/{table}/*/*/*.parquet') GROUP BY ALL").fetchall()}
 
 
 def step_histories(output_dir: Path, run_id: str) -> dict[str, list[int]]:
@@ -62,7 +62,7 @@ def test_a_killed_run_resumes_to_the_same_tables_as_an_uninterrupted_one(tmp_pat
 
     output = tmp_path / "b"
     log = tmp_path / "b.log"
-    marker = output / "runs" / "resume" / "steps" / "stage1" / "step-00000.parquet"
+    marker = output / "runs" / "resume" / "steps" / "stage=stage1" / "step=0" / "part-0.parquet"
     with log.open("wb") as out:
         victim = subprocess.Popen(command(output, "resume"), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                   start_new_session=True)

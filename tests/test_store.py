@@ -33,7 +33,7 @@ def test_step_files_are_queryable_with_duckdb(tmp_path):
             write_table([row], STEPS, step_part(tmp_path, "steps", stage, step))
     write_table([row], STEPS, step_part(tmp_path, "steps", "stage2", 2))  # a rerun replaces, not appends
     rows = duckdb.sql(
-        f"SELECT stage, count(*) AS n, max(step) AS last FROM read_parquet('{tmp_path}/steps/*/*.parquet') "
+        f"SELECT stage, count(*) AS n, max(step) AS last FROM read_parquet('{tmp_path}/steps/*/*/*.parquet') "
         "GROUP BY stage ORDER BY stage"
     ).fetchall()
     assert rows == [("stage1", 3, 2), ("stage2", 3, 2)]

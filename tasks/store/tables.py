@@ -1,8 +1,10 @@
 """Table schemas, defined once, and atomic Parquet writes.
 
-Rows land under the run folder as one file per (stage, step), `<run>/<table>/<stage>/step-NNNNN.parquet`,
-so re-running a step replaces its file instead of appending duplicates. Every row carries its
-run, stage and step, and DuckDB reads a whole table with `read_parquet('<run>/rollouts/*/*.parquet')`.
+Rows land under the run folder as one hive-style partition per (stage, step),
+`<run>/<table>/stage=<stage>/step=<n>/part-0.parquet`, so re-running a step replaces its file
+instead of appending duplicates, and a reader filtering on stage or step opens only those
+folders. Every row also carries its run, stage and step, so a file read on its own is complete;
+DuckDB reads a whole table with `read_parquet('<run>/rollouts/*/*/*.parquet')`.
 """
 
 from __future__ import annotations
@@ -110,8 +112,13 @@ def read_table(path: Path) -> list[dict]:
     return pq.read_table(path).to_pylist()
 
 
+def partition(run_dir: Path, table: str, **keys) -> Path:
+    """The file of one hive-style partition: `<run>/<table>/<key>=<value>/.../part-0.parquet`."""
+    return run_dir.joinpath(table, *(f"{k}={v}" for k, v in keys.items()), "part-0.parquet")
+
+
 def step_part(run_dir: Path, table: str, stage: str, step: int) -> Path:
-    return run_dir / table / stage / f"step-{step:05d}.parquet"
+    return partition(run_dir, table, stage=stage, step=step)
 
 
 def rollout_rows(run_id: str, stage: str, step: int, trajectories, questions: dict[str, str],
