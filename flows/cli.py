@@ -1,5 +1,6 @@
-"""`rstar2 run`: the whole pipeline from the command line (the same flow the UI triggers);
-`rstar2 query "SQL"`: SQL over the runs' tables."""
+"""`rstar2 run`: the whole pipeline (or some RL stages of a run) from the command line, the same
+flow the UI triggers; `rstar2 evaluate`: a saved policy of a run; `rstar2 query "SQL"`: SQL over
+the runs' tables."""
 
 from __future__ import annotations
 
@@ -39,6 +40,15 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--run-id", default=None, help="name of the run folder (default: generated)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config field, e.g. --set rl.roc.mode=off")
+    run.add_argument("--stage", action="append", dest="stages", metavar="NAME",
+                     help="run only this RL stage (repeatable); earlier stages must have finished in the run")
+    evaluate = commands.add_parser("evaluate", help="evaluate a saved policy of a run")
+    evaluate.add_argument("--run-id", required=True)
+    evaluate.add_argument("--checkpoint", default="sft", help="base, sft or an RL stage's name")
+    evaluate.add_argument("--label", default=None, help="name of this evaluation (default: the checkpoint)")
+    evaluate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                          help="override an eval setting, e.g. --set k=64")
+    evaluate.add_argument("--output-dir", default="outputs")
     query = commands.add_parser("query", help="run SQL on the DuckDB views (dashboards/views.sql)")
     query.add_argument("sql", help='e.g. "SELECT stage, step, avg(reward) FROM rollouts GROUP BY ALL"')
     query.add_argument("--runs", default="outputs/runs/*", help="run folder or glob (default: every run)")
@@ -48,9 +58,15 @@ def main(argv: list[str] | None = None) -> None:
 
         connect(args.runs).sql(args.sql).show(max_width=200)
         return
+    if args.command == "evaluate":
+        from flows.evaluate import evaluate_checkpoint
+
+        evaluate_checkpoint(run_id=args.run_id, checkpoint=args.checkpoint, label=args.label,
+                            eval_overrides=_overrides(args.set), output_dir=args.output_dir)
+        return
     from flows.pipeline import pipeline
 
-    pipeline(config=args.config, run_id=args.run_id, overrides=_overrides(args.set))
+    pipeline(config=args.config, run_id=args.run_id, overrides=_overrides(args.set), stages=args.stages)
 
 
 if __name__ == "__main__":

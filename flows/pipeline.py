@@ -17,13 +17,16 @@ from flows.sft import base_model, sft
 from tasks.config import default_config_path, load_config
 from tasks.curate import load_benchmarks, load_problems
 from tasks.report import Stopwatch, end_run, publish_summary, stage_row, start_pipeline_run
+from tasks.resume import stages_to_run
 from tasks.rollouts import serve_policy
 from tasks.runtime import Runtime
 
 
 @flow(name="rstar2-pipeline", log_prints=True)
 def pipeline(config: str = str(default_config_path()), run_id: str | None = None,
-             overrides: dict[str, Any] | None = None) -> dict:
+             overrides: dict[str, Any] | None = None, stages: list[str] | None = None) -> dict:
+    """`stages`: the RL stages to run (default: all), e.g. one stage of an earlier run, given its
+    run id; the stages before it must have finished in that run."""
     cfg = load_config(config, overrides)
     ctx = start_pipeline_run(cfg, config, run_id)
     clock, rows = Stopwatch(), []
@@ -43,7 +46,7 @@ def pipeline(config: str = str(default_config_path()), run_id: str | None = None
             if cfg.data.consensus:
                 train = consensus(cfg, ctx, runtime, train)
             total_rl_steps = sum(stage.steps for stage in cfg.rl.stages)
-            for stage in cfg.rl.stages:
+            for stage in stages_to_run(cfg, ctx, stages):
                 before = after
                 steps = rl_stage(cfg, ctx, runtime, stage, train, total_rl_steps)
                 after = evaluate(cfg, ctx, runtime, stage.name, heldout, benchmarks)

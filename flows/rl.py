@@ -3,12 +3,23 @@
 from prefect import flow
 
 from tasks.config import RunConfig, StageConfig
+from tasks.curate import problem_ids, select_problems
 from tasks.data.problems import Problem
 from tasks.report import end_run, publish_stage_summary, start_stage_run, track_progress
-from tasks.curate import problem_ids, select_problems
 from tasks.resume import finished, mark_finished
-from tasks.rl_update import (checkpoint, keep_unsolved, prepare_trainer, record_step, resume_stage, rollout_spec,
-                             sample_problems, select_batch, sync_weights, update_policy)
+from tasks.rl_update import (
+    checkpoint,
+    export_policy,
+    keep_unsolved,
+    prepare_trainer,
+    record_step,
+    resume_stage,
+    rollout_spec,
+    sample_problems,
+    select_batch,
+    sync_weights,
+    update_policy,
+)
 from tasks.rollouts import roll_out, score, write_rollouts
 from tasks.runtime import RunContext, Runtime
 
@@ -47,6 +58,7 @@ def rl_stage(cfg: RunConfig, ctx: RunContext, runtime: Runtime, stage: StageConf
     for step in range(first, stage.steps):
         rl_step(cfg, ctx, runtime, stage, step, problems, stage_run)
         track_progress(progress, stage.name, step + 1, stage.steps)
+    export_policy(runtime, ctx, stage.name)
     publish_stage_summary(ctx, stage.name)
     end_run(ctx, stage_run)
     return mark_finished(ctx, f"rl-{stage.name}", stage.steps)

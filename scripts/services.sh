@@ -46,7 +46,7 @@ start)
     "$VENV/bin/prefect" work-pool inspect local > /dev/null 2>&1 \
         || "$VENV/bin/prefect" work-pool create local --type process > /dev/null
     # The deployments that run here (the paper's needs a `gpu` pool on a cluster).
-    for deployment in ${RSTAR2_DEPLOYMENTS:-tiny}; do
+    for deployment in ${RSTAR2_DEPLOYMENTS:-tiny tiny-stage evaluate}; do
         "$VENV/bin/prefect" --no-prompt deploy --name "$deployment" > "$STATE/deploy-$deployment.log" 2>&1 \
             || { cat "$STATE/deploy-$deployment.log" >&2; exit 1; }
     done
@@ -54,7 +54,7 @@ start)
     start_bg mlflow-ui "$VENV/bin/mlflow" ui --host 127.0.0.1 --port "$MLFLOW_PORT" \
         --backend-store-uri "sqlite:///$PWD/outputs/mlflow.db"
     wait_http "http://127.0.0.1:$MLFLOW_PORT/"
-    echo "Prefect UI: http://127.0.0.1:$PREFECT_PORT  (deployments: rstar2-pipeline/tiny, ...)"
+    echo "Prefect UI: http://127.0.0.1:$PREFECT_PORT  (deployments: rstar2-pipeline/tiny, rstar2-pipeline/tiny-stage, rstar2-evaluate/evaluate)"
     echo "MLflow UI:  http://127.0.0.1:$MLFLOW_PORT"
     ;;
 stop)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -174,7 +174,9 @@ class LossConfig(_Strict):
 
 
 class StageConfig(_Strict):
-    name: str
+    # A folder and hive-partition name (runs/<id>/models/<name>, rollouts/stage=<name>/), next to
+    # the base and sft policies.
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     steps: int
     max_response_tokens: int
     max_turns: int
@@ -193,6 +195,15 @@ class RLConfig(_Strict):
     # DeepSpeed checkpoints kept per stage (one is written every step); 2 lets a run resume from
     # its last recorded step even when it was killed after writing the next step's checkpoint.
     checkpoint_keep: int = Field(2, ge=2)
+
+    @field_validator("stages")
+    @classmethod
+    def _distinct_stage_names(cls, stages: list[StageConfig]) -> list[StageConfig]:
+        names = [s.name for s in stages]
+        clashes = sorted({n for n in names if names.count(n) > 1 or n in ("base", "sft")})
+        if clashes:
+            raise ValueError(f"RL stage names must be distinct and not 'base' or 'sft': {clashes}")
+        return stages
 
     @property
     def rollouts_per_problem(self) -> int:

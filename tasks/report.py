@@ -10,15 +10,20 @@ from pathlib import Path
 from uuid import UUID
 
 from prefect import task
-from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
-                                update_progress_artifact)
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.cache_policies import NO_CACHE
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
 from tasks.config import RunConfig
-from tasks.rollouts import Rollouts
 from tasks.rollout.metrics import rollout_metrics
+from tasks.rollouts import Rollouts
 from tasks.runtime import RunContext
 from tasks.store.tables import EVALUATIONS, partition, read_table, write_json, write_table
 from tasks.tracking.mlflow_log import Tracker
@@ -34,14 +39,20 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _run_tags(cfg: RunConfig, run_id: str) -> dict:
+    # Every MLflow run of a pipeline run carries these; they filter and group runs in the UI
+    # (e.g. tags.`rstar2.roc_mode` = 'off').
+    return {"rstar2.run_id": run_id, "rstar2.config": cfg.name, "rstar2.roc_mode": cfg.rl.roc.mode,
+            "rstar2.scheduler": cfg.engine.scheduler}
+
+
 @task(cache_policy=NO_CACHE)
 def start_pipeline_run(cfg: RunConfig, config_path: str, run_id: str | None) -> RunContext:
     run_id = run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     run_dir = cfg.run_dir(run_id)
     config_json = cfg.model_dump_json(indent=2)
     tracker = Tracker(cfg.output_dir)
-    tags = {"rstar2.run_id": run_id, "rstar2.config": cfg.name, "rstar2.roc_mode": cfg.rl.roc.mode,
-            "rstar2.scheduler": cfg.engine.scheduler}
+    tags = _run_tags(cfg, run_id)
     if (run_dir / "config.json").exists():
         # The same run id again (or a retried flow run): continue it, with the same config only.
         if (run_dir / "config.json").read_text() != config_json:
@@ -56,11 +67,33 @@ def start_pipeline_run(cfg: RunConfig, config_path: str, run_id: str | None) -> 
     (run_dir / "config.json").write_text(config_json)
     params = {"config_path": config_path, "git_commit": _git_commit(), "run_dir": str(run_dir)}
     params.update(_flatten(cfg.model_dump(mode="json")))
-    # The tags above filter and group runs in the MLflow UI (e.g. tags.`rstar2.roc_mode` = 'off').
     mlflow_run_id = tracker.start_run(run_id, params, tags=tags)
     tracker.log_artifact(mlflow_run_id, run_dir / "config.json")
     print(f"run {run_id}: outputs in {run_dir}, MLflow run {mlflow_run_id} ({tracker.uri})")
     return RunContext(run_id, run_dir, mlflow_run_id, Path(cfg.output_dir), tags)
+
+
+@task(cache_policy=NO_CACHE)
+def reopen_run(output_dir: str, run_id: str, eval_overrides: dict | None) -> tuple[RunConfig, RunContext]:
+    """An existing run's recorded config (with `eval_overrides` applied to its eval section, the
+    only part a later evaluation may change) and context, its MLflow run reopened."""
+    run_dir = Path(output_dir) / "runs" / run_id
+    if not (run_dir / "config.json").exists():
+        runs = sorted(p.parent.name for p in (Path(output_dir) / "runs").glob("*/config.json"))
+        raise ValueError(f"no run {run_id!r} under {Path(output_dir) / 'runs'} (runs there: {runs})")
+    recorded = RunConfig.model_validate_json((run_dir / "config.json").read_text())
+    try:
+        cfg = recorded.model_copy(update={"eval": recorded.eval.model_validate(
+            {**recorded.eval.model_dump(), **(eval_overrides or {})})})
+    except ValidationError as exc:
+        raise ValueError(f"invalid eval_overrides {eval_overrides}:\n{exc}") from exc
+    tracker = Tracker(cfg.output_dir)
+    mlflow_run_id = tracker.find_run({"rstar2.run_id": run_id})
+    if mlflow_run_id is None:
+        raise ValueError(f"run {run_id} has no MLflow run in {tracker.uri}")
+    tracker.reopen(mlflow_run_id)
+    tags = _run_tags(cfg, run_id)
+    return cfg, RunContext(run_id, run_dir, mlflow_run_id, Path(cfg.output_dir), tags)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -105,7 +138,8 @@ def publish_stage_summary(ctx: RunContext, stage: str) -> None:
     for part in (ctx.run_dir / "steps" / f"stage={stage}").glob("step=*/part-0.parquet"):
         for row in read_table(part):
             steps.setdefault(row["step"], {})[row["metric"]] = row["value"]
-    rows = [{"step": step, **{c: round(float(m[c]), 4) for c in columns if c in m}} for step, m in sorted(steps.items())]
+    rows = [{"step": step, **{c: round(float(m[c]), 4) for c in columns if c in m}}
+            for step, m in sorted(steps.items())]
     key = "stage-summary-" + "".join(c if c.isalnum() else "-" for c in stage.lower())
     create_table_artifact(rows, key=key, description=f"RL stage {stage}, one row per step")
 
@@ -126,7 +160,8 @@ def summarize_eval(ctx: RunContext, label: str, benchmark: str, rollouts: Rollou
     ctx.tracker.log_metrics(ctx.mlflow_run_id, {f"{prefix}/{key}": v for key, v in metrics.items()})
     row = {"run_id": ctx.run_id, "checkpoint": label, "benchmark": benchmark, "problems": len(rollouts.problems),
            "k": k, **{c: metrics[c] for c in EVALUATIONS.names if c in metrics}}
-    table = write_table([row], EVALUATIONS, partition(ctx.run_dir, "evaluations", checkpoint=label, benchmark=benchmark))
+    part = partition(ctx.run_dir, "evaluations", checkpoint=label, benchmark=benchmark)
+    table = write_table([row], EVALUATIONS, part)
     # A few whole trajectories to read next to the numbers in the MLflow UI: the first sample of
     # up to 8 problems.
     samples = [{"problem_id": t.problem_id, "reward": r, "stop_reason": t.stop_reason, "response": t.response}

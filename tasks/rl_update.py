@@ -6,6 +6,7 @@ import random
 import shutil
 import time
 from collections import Counter
+from pathlib import Path
 
 from prefect import task
 from prefect.artifacts import create_table_artifact
@@ -68,6 +69,21 @@ def checkpoint(runtime: Runtime, ctx: RunContext, stage: str, step: int, keep: i
     for old in sorted(directory.glob("step-*"))[:-keep]:
         shutil.rmtree(old)
     return {"time_checkpoint_s": time.perf_counter() - started}
+
+
+@task(cache_policy=NO_CACHE)
+def export_policy(runtime: Runtime, ctx: RunContext, stage: str) -> Path:
+    """The stage's final policy as a Hugging Face directory, runs/<id>/models/<stage>, next to
+    models/base and models/sft: what a user loads, serves or evaluates later (rstar2-evaluate).
+    Written beside and renamed into place, so a half-written export is never mistaken for one."""
+    final = ctx.run_dir / "models" / stage
+    partial = final.with_name(f".{stage}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    runtime.trainer.save_pretrained(partial)
+    runtime.tokenizer.save_pretrained(partial)
+    shutil.rmtree(final, ignore_errors=True)
+    partial.rename(final)
+    return final
 
 
 @task(cache_policy=NO_CACHE)

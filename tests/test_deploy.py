@@ -1,7 +1,9 @@
 """The Prefect UI workflow for real: `scripts/services.sh start` starts a Prefect server, a worker
-and the MLflow UI on loopback and deploys prefect.yaml; the pipeline deployment is triggered with
-parameters through the API (what the UI's Custom run form sends) and must complete; `stop` ends
-every service. About 3 minutes on two cores."""
+and the MLflow UI on loopback and deploys prefect.yaml; the deployments are triggered with
+parameters through the API (what the UI's Custom run form sends) and must complete: the stage
+deployment runs the first RL stage of a new run, the pipeline deployment finishes that run (the
+first stage not redone), the evaluate deployment evaluates its last stage again with another k;
+`stop` ends every service. About 5 minutes on two cores."""
 
 import os
 import subprocess
@@ -11,14 +13,25 @@ from pathlib import Path
 from prefect import get_client
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
+from tasks.store.tables import partition, read_table
 from tests.browser import _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "services.sh"
 SMALL = {"data.n_train": 24, "data.n_heldout": 4, "model.tiny.pretrain_steps": 2, "sft.n_examples": 64,
          "sft.epochs": 1, "rl.group_size": 4, "eval.k": 2, "eval.max_turns": 2, "eval.max_response_tokens": 96,
-         "rl.stages": [{"name": "stage1", "steps": 1, "max_response_tokens": 96, "max_turns": 2,
-                        "problems_per_step": 2}]}
+         "rl.stages": [{"name": name, "steps": 1, "max_response_tokens": 96, "max_turns": 2,
+                        "problems_per_step": 2} for name in ("stage1", "stage2")]}
+
+
+def _run_deployment(client, name: str, parameters: dict, worker_log: Path):
+    deployment = client.read_deployment_by_name(name)
+    flow_run = client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
+    deadline = time.monotonic() + 600
+    while not (state := client.read_flow_run(flow_run.id).state).is_final():
+        assert time.monotonic() < deadline, f"{name}: flow run still {state.name} after 10 minutes"
+        time.sleep(2)
+    assert state.is_completed(), (name, state, worker_log.read_text()[-3000:])
 
 
 def test_pipeline_deployment_runs_from_the_api(tmp_path) -> None:
@@ -29,21 +42,31 @@ def test_pipeline_deployment_runs_from_the_api(tmp_path) -> None:
     assert started.returncode == 0, started.stderr
     try:
         assert f"http://127.0.0.1:{mlflow_port}" in started.stdout
+        outputs = tmp_path / "outputs"
         parameters = {"config": "configs/tiny.yaml", "run_id": "deployed",
-                      "overrides": {**SMALL, "output_dir": str(tmp_path / "outputs")}}
+                      "overrides": {**SMALL, "output_dir": str(outputs)}}
+        run_dir, worker_log = outputs / "runs" / "deployed", tmp_path / "services" / "prefect-worker.log"
         with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{prefect_port}/api"}), \
                 get_client(sync_client=True) as client:
             deployment = client.read_deployment_by_name("rstar2-pipeline/tiny")
             # The UI builds its run form from this schema: typed, with the config path defaulted.
             schema = deployment.parameter_openapi_schema["properties"]
             assert schema["config"]["type"] == "string" and deployment.parameters["config"] == "configs/tiny.yaml"
-            flow_run = client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
-            deadline = time.monotonic() + 600
-            while not (state := client.read_flow_run(flow_run.id).state).is_final():
-                assert time.monotonic() < deadline, f"flow run still {state.name} after 10 minutes"
-                time.sleep(2)
-        assert state.is_completed(), (state, (tmp_path / "services" / "prefect-worker.log").read_text()[-3000:])
-        assert (tmp_path / "outputs" / "runs" / "deployed" / "summary.json").exists()
+            assert schema["stages"]["anyOf"][0] == {"items": {"type": "string"}, "type": "array"}
+            _run_deployment(client, "rstar2-pipeline/tiny-stage", {**parameters, "stages": ["stage1"]}, worker_log)
+            assert sorted(p.name for p in (run_dir / "models").iterdir()) == ["base", "sft", "stage1"]
+            stage1_steps = (run_dir / "steps" / "stage=stage1" / "step=0" / "part-0.parquet").stat().st_mtime_ns
+            _run_deployment(client, "rstar2-pipeline/tiny", parameters, worker_log)
+            assert (run_dir / "steps" / "stage=stage1" / "step=0" / "part-0.parquet").stat().st_mtime_ns == stage1_steps
+            assert (run_dir / "models" / "stage2" / "config.json").exists()
+            schema = client.read_deployment_by_name("rstar2-evaluate/evaluate").parameter_openapi_schema
+            assert schema["required"] == ["run_id"] and schema["properties"]["checkpoint"]["default"] == "sft"
+            _run_deployment(client, "rstar2-evaluate/evaluate", {
+                "run_id": "deployed", "checkpoint": "stage2", "label": "stage2-k4", "eval_overrides": {"k": 4},
+                "output_dir": str(outputs)}, worker_log)
+        assert (run_dir / "summary.json").exists()
+        evaluation = read_table(partition(run_dir, "evaluations", checkpoint="stage2-k4", benchmark="heldout"))
+        assert [(row["checkpoint"], row["k"], row["problems"]) for row in evaluation] == [("stage2-k4", 4, 4)]
     finally:
         stopped = subprocess.run([str(SCRIPT), "stop"], env=env, capture_output=True, text=True, timeout=120)
     assert stopped.returncode == 0, stopped.stderr
