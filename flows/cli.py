@@ -1,6 +1,6 @@
 """`rstar2 run`: the whole pipeline (or some RL stages of a run) from the command line, the same
-flow the UI triggers; `rstar2 evaluate`: a saved policy of a run; `rstar2 query "SQL"`: SQL over
-the runs' tables."""
+flow the UI triggers; `rstar2 evaluate`: a saved policy of a run; `rstar2 ablate`: the RoC
+ablation over seeds; `rstar2 query "SQL"`: SQL over the runs' tables."""
 
 from __future__ import annotations
 
@@ -49,6 +49,12 @@ def main(argv: list[str] | None = None) -> None:
     evaluate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                           help="override an eval setting, e.g. --set k=64")
     evaluate.add_argument("--output-dir", default="outputs")
+    ablate = commands.add_parser("ablate", help="the RoC ablation: paper / release / off over seeds, one report")
+    ablate.add_argument("--config", default=str(default_config_path()), help="YAML config (default: tiny)")
+    ablate.add_argument("--seeds", type=int, default=3)
+    ablate.add_argument("--modes", nargs="+", default=["paper", "release", "off"], choices=["paper", "release", "off"])
+    ablate.add_argument("--name", default="roc", help="runs <name>-s<seed>-<mode>, report outputs/ablations/<name>")
+    ablate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     query = commands.add_parser("query", help="run SQL on the DuckDB views (dashboards/views.sql)")
     query.add_argument("sql", help='e.g. "SELECT stage, step, avg(reward) FROM rollouts GROUP BY ALL"')
     query.add_argument("--runs", default="outputs/runs/*", help="run folder or glob (default: every run)")
@@ -63,6 +69,11 @@ def main(argv: list[str] | None = None) -> None:
 
         evaluate_checkpoint(run_id=args.run_id, checkpoint=args.checkpoint, label=args.label,
                             eval_overrides=_overrides(args.set), output_dir=args.output_dir)
+        return
+    if args.command == "ablate":
+        from flows.ablate import ablate
+
+        ablate(config=args.config, seeds=args.seeds, modes=args.modes, overrides=_overrides(args.set), name=args.name)
         return
     from flows.pipeline import pipeline
 

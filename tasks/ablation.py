@@ -1,0 +1,186 @@
+"""The RoC ablation: the same config run with `rl.roc.mode` paper / release / off over several
+seeds, compared in one report (the paper's Fig. 4 in miniature).
+
+The runs of one seed share everything before RL (curated data, base and SFT policies and their
+evaluations: the RoC mode changes nothing there), so the later modes start from a copy of the
+first one's run folder instead of training the same SFT policy again. `compare` is pure; the
+tasks read the runs' tables and write the report (Markdown and PNG plots).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.store.tables import read_table
+
+# What the report plots per RL step: (steps-table metric, axis title).
+STEP_METRICS = {"reward_mean": "reward (mean)", "roc/kept_pos_tool_error_share": "tool-error share, kept positives",
+                "response_length_mean": "response length (tokens)"}
+PRE_RL = ("curate", "base", "sft", "eval-base", "eval-sft")  # what a later mode's run copies
+
+
+@dataclass
+class RunResult:
+    """One (seed, mode) run: held-out pass@1 per checkpoint, and step metrics along all RL steps."""
+
+    seed: int
+    mode: str
+    run_id: str
+    pass_at_1: dict[str, float]  # checkpoint -> held-out pass@1, in evaluation order
+    steps: dict[str, list[float]] = field(default_factory=dict)  # metric -> value per RL step (NaN: none)
+    stage_ends: list[int] = field(default_factory=list)  # cumulative RL steps after each stage
+
+
+def _stats(values: list[float]) -> tuple[float, float, int]:
+    """(mean, sample std, n) of the finite values; NaNs when there are none."""
+    finite = [v for v in values if not math.isnan(v)]
+    if not finite:
+        return math.nan, math.nan, 0
+    return statistics.fmean(finite), statistics.stdev(finite) if len(finite) > 1 else 0.0, len(finite)
+
+
+def compare(results: list[RunResult], baseline: str = "off", treatment: str = "paper") -> dict:
+    """The report's numbers. Per mode: held-out pass@1 after SFT and after the last RL stage and
+    the gain (mean and std over seeds), and the tool-error share among kept positives averaged over
+    the RL steps that kept any positive (then mean and std over seeds). Then the treatment's
+    relative reduction of that share against the baseline (same seeds, same steps)."""
+    modes: dict[str, dict] = {}
+    for mode in dict.fromkeys(r.mode for r in results):
+        runs = [r for r in results if r.mode == mode]
+        final = [list(r.pass_at_1.values())[-1] for r in runs]
+        sft = [r.pass_at_1.get("sft", math.nan) for r in runs]
+        share = [_stats(r.steps.get("roc/kept_pos_tool_error_share", []))[0] for r in runs]
+        modes[mode] = {"seeds": [r.seed for r in runs], "sft": _stats(sft), "final": _stats(final),
+                       "gain": _stats([f - s for f, s in zip(final, sft)]), "error_share": _stats(share),
+                       "error_share_by_seed": share}
+    out = {"modes": modes}
+    if baseline in modes and treatment in modes:
+        base, treat = modes[baseline]["error_share"][0], modes[treatment]["error_share"][0]
+        out["relative_reduction"] = (base - treat) / base if base and not math.isnan(base) else math.nan
+    return out
+
+
+@task(cache_policy=NO_CACHE)
+def start_from_sft_of(source: Path, target: Path) -> None:
+    """Make run folder `target` continue where run `source` stands after SFT: its curated data,
+    base and SFT policies, their evaluation rows and finished records (paths rewritten). Does
+    nothing when `target` already has a config (an ablation being resumed)."""
+    if (target / "config.json").exists():
+        return
+    staging = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    for folder in ("data", "models/base", "models/sft"):
+        shutil.copytree(source / folder, staging / folder)
+    for checkpoint in ("base", "sft"):
+        for part in (source / "evaluations").glob(f"checkpoint={checkpoint}/*"):
+            shutil.copytree(part, staging / part.relative_to(source))
+        for part in (source / "rollouts").glob(f"stage=eval-{checkpoint}*"):
+            shutil.copytree(part, staging / part.relative_to(source))
+    (staging / "state").mkdir()
+    for name in PRE_RL:
+        record = source / "state" / f"{name}.json"
+        (staging / "state" / record.name).write_text(record.read_text().replace(str(source), str(target)))
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+
+
+@task(cache_policy=NO_CACHE)
+def read_run(run_dir: Path, seed: int, mode: str, stage_names: list[str]) -> RunResult:
+    """A finished run's held-out pass@1 per checkpoint and its RL step metrics, stage by stage."""
+    evaluations = sorted((run_dir / "evaluations").glob("checkpoint=*/benchmark=heldout/part-0.parquet"),
+                         key=lambda p: p.stat().st_mtime_ns)
+    pass_at_1 = {row["checkpoint"]: row["pass_at_1"] for part in evaluations for row in read_table(part)}
+    result = RunResult(seed, mode, run_dir.name, pass_at_1, {m: [] for m in STEP_METRICS})
+    for stage in stage_names:
+        parts = sorted((run_dir / "steps" / f"stage={stage}").glob("step=*/part-0.parquet"),
+                       key=lambda p: int(p.parent.name.removeprefix("step=")))
+        for part in parts:
+            values = {row["metric"]: row["value"] for row in read_table(part)}
+            for metric in STEP_METRICS:
+                result.steps[metric].append(values.get(metric, math.nan))
+        result.stage_ends.append(len(result.steps["reward_mean"]))
+    return result
+
+
+def _cell(stats: tuple[float, float, int], percent: bool = False) -> str:
+    mean, std, n = stats
+    if n == 0:
+        return "n/a"
+    scale = 100.0 if percent else 1.0
+    return f"{mean * scale:.1f} ± {std * scale:.1f}" if percent else f"{mean:.3f} ± {std:.3f}"
+
+
+def _plot(results: list[RunResult], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [*STEP_METRICS.items(), ("pass_at_1", "held-out pass@1 (avg@k)")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
+    for ax, (metric, title) in zip(axes, panels):
+        for mode in dict.fromkeys(r.mode for r in results):
+            runs = [r for r in results if r.mode == mode]
+            if metric == "pass_at_1":  # one point per checkpoint: SFT at step 0, each stage at its end
+                xs = [0, *runs[0].stage_ends]
+                series = [list(r.pass_at_1.values())[-len(xs):] for r in runs]
+            else:
+                xs = list(range(1, len(runs[0].steps[metric]) + 1))
+                series = [r.steps[metric] for r in runs]
+            columns = [_stats([s[i] for s in series if i < len(s)]) for i in range(len(xs))]
+            means = [c[0] for c in columns]
+            lows = [min((s[i] for s in series if i < len(s) and not math.isnan(s[i])), default=math.nan)
+                    for i in range(len(xs))]
+            highs = [max((s[i] for s in series if i < len(s) and not math.isnan(s[i])), default=math.nan)
+                     for i in range(len(xs))]
+            line, = ax.plot(xs, means, marker="o", markersize=3, label=f"roc: {mode}")
+            ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+@task(cache_policy=NO_CACHE)
+def write_ablation_report(results: list[RunResult], out_dir: Path, command: str) -> Path:
+    """report.md (a table per mode: pass@1 after SFT and after RL, the gain, the tool-error
+    share among kept positives; RoC's relative reduction) and curves.png, under out_dir."""
+    numbers = compare(results)
+    plot = _plot(results, out_dir / "curves.png")
+    seeds = sorted({r.seed for r in results})
+    lines = [
+        "# RoC ablation", "",
+        f"Command: `{command}`", "",
+        f"Seeds {seeds}; mean ± std over seeds. Held-out pass@1 is avg@k at the config's eval settings; the "
+        "tool-error share is the fraction of kept positive trajectories with at least one failed tool call, "
+        "averaged over the RL steps that kept a positive.", "",
+        "| roc mode | pass@1 after SFT | pass@1 after RL | gain (points) | tool-error share of kept positives (%) |",
+        "|---|---|---|---|---|",
+    ]
+    for mode, m in numbers["modes"].items():
+        gain = m["gain"]
+        gain_cell = f"{100 * gain[0]:+.1f} ± {100 * gain[1]:.1f}" if gain[2] else "n/a"
+        lines.append(f"| {mode} | {_cell(m['sft'])} | {_cell(m['final'])} | {gain_cell} | "
+                     f"{_cell(m['error_share'], percent=True)} |")
+    if "relative_reduction" in numbers:
+        lines += ["", f"Tool-error share among kept positives, roc paper vs off: "
+                      f"{100 * numbers['relative_reduction']:.0f}% lower (relative)."]
+    lines += ["", "Runs: " + ", ".join(f"`{r.run_id}`" for r in results), "", f"![curves]({plot.name})", ""]
+    report = out_dir / "report.md"
+    tmp = report.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(lines))
+    tmp.replace(report)
+    print("\n".join(lines))
+    return report

@@ -1,0 +1,79 @@
+"""The RoC ablation's numbers and report, from run results made up here (no pipeline run)."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tasks.ablation import RunResult, compare, write_ablation_report
+
+NAN = math.nan
+
+
+def _run(seed: int, mode: str, sft: float, final: float, shares: list[float]) -> RunResult:
+    return RunResult(seed, mode, f"roc-s{seed}-{mode}", {"base": 0.0, "sft": sft, "stage1": final},
+                     {"reward_mean": [0.1] * len(shares), "roc/kept_pos_tool_error_share": shares,
+                      "response_length_mean": [50.0] * len(shares)}, [len(shares)])
+
+
+RESULTS = [
+    _run(0, "paper", 0.2, 0.5, [0.2, 0.0, NAN]), _run(1, "paper", 0.3, 0.5, [0.1, 0.1]),
+    _run(0, "off", 0.2, 0.4, [0.3, 0.3, NAN]), _run(1, "off", 0.3, 0.4, [0.2, 0.2]),
+]
+
+
+def test_gain_and_error_share_are_averaged_per_seed_then_over_seeds() -> None:
+    numbers = compare(RESULTS)
+    paper, off = numbers["modes"]["paper"], numbers["modes"]["off"]
+    assert paper["gain"][0] == pytest.approx(0.25) and paper["gain"][1] == pytest.approx(math.sqrt(0.005))
+    assert off["final"][:2] == pytest.approx((0.4, 0.0))
+    # steps without kept positives (NaN) do not count: paper 0.1 and 0.1, off 0.3 and 0.2
+    assert paper["error_share_by_seed"] == pytest.approx([0.1, 0.1])
+    assert off["error_share"][0] == pytest.approx(0.25)
+    assert numbers["relative_reduction"] == pytest.approx(0.6)
+
+
+def test_a_mode_without_positives_reports_nan_not_zero() -> None:
+    numbers = compare([_run(0, "paper", 0.0, 0.0, [NAN, NAN]), _run(0, "off", 0.0, 0.0, [NAN])])
+    assert math.isnan(numbers["modes"]["paper"]["error_share"][0])
+    assert math.isnan(numbers["relative_reduction"])
+
+
+def test_report_has_a_row_per_mode_the_command_and_a_png(tmp_path) -> None:
+    report = write_ablation_report.fn(RESULTS, tmp_path, "rstar2 ablate --seeds 2")
+    text = report.read_text()
+    assert "`rstar2 ablate --seeds 2`" in text and "![curves](curves.png)" in text
+    assert "| paper | 0.250 ± 0.071 | 0.500 ± 0.000 | +25.0 ± 7.1 | 10.0 ± 0.0 |" in text
+    assert "| off | 0.250 ± 0.071 | 0.400 ± 0.000 | +15.0 ± 7.1 | 25.0 ± 7.1 |" in text
+    assert "60% lower (relative)" in text
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ablate_flow_runs_each_mode_from_one_sft_policy_and_reports(tmp_path) -> None:
+    """Two modes, one seed, at a small size: the second mode's run starts from the first one's SFT
+    policy (not trained again) and the report compares both."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.ablate import ablate
+    from tasks.config import default_config_path
+
+    overrides = {"output_dir": str(tmp_path), "data.n_train": 24, "data.n_heldout": 4, "model.tiny.pretrain_steps": 2,
+                 "sft.n_examples": 64, "sft.epochs": 1, "rl.group_size": 2, "eval.k": 2, "eval.max_turns": 2,
+                 "eval.max_response_tokens": 96,
+                 "rl.stages": [{"name": "stage1", "steps": 2, "max_response_tokens": 96, "max_turns": 2,
+                                "problems_per_step": 2}]}
+    with prefect_test_harness(server_startup_timeout=180):
+        report = ablate(config=str(default_config_path()), seeds=1, modes=["paper", "off"], overrides=overrides,
+                        name="t")
+    paper, off = tmp_path / "runs" / "t-s0-paper", tmp_path / "runs" / "t-s0-off"
+    sft = (paper / "models" / "sft" / "model.safetensors").read_bytes()
+    assert (off / "models" / "sft" / "model.safetensors").read_bytes() == sft
+    assert not (off / "state" / "sft.json").read_text().count(str(paper))  # paths point into its own folder
+    assert json.loads((off / "config.json").read_text())["rl"]["roc"]["mode"] == "off"
+    for run in (paper, off):
+        assert sorted(p.name for p in (run / "steps" / "stage=stage1").iterdir()) == ["step=0", "step=1"]
+        assert (run / "evaluations" / "checkpoint=sft").exists() and (run / "models" / "stage1").exists()
+    text = Path(report).read_text()
+    assert "| paper |" in text and "| off |" in text and "t-s0-off" in text
+    assert (Path(report).parent / "curves.png").exists()
