@@ -31,6 +31,7 @@ def ablate(config: str = str(default_config_path()), seeds: int = 3, modes: list
                 start_from_sft_of(cfg.run_dir(first), cfg.run_dir(run_id))
             pipeline(config, run_id, {**(overrides or {}), "seed": seed, "rl.roc.mode": mode})
             results.append(read_run(cfg.run_dir(run_id), seed, mode, [s.name for s in cfg.rl.stages]))
-    command = shlex.join(["rstar2", "ablate", "--config", config, "--seeds", str(seeds), "--name", name,
+    command = shlex.join(["rstar2", "ablate", "--config", config, "--seeds", str(seeds), "--modes", *modes,
+                          "--name", name,
                           *(f"--set={k}={json.dumps(v)}" for k, v in (overrides or {}).items())])
     return str(write_ablation_report(results, Path(cfg.output_dir) / "ablations" / name, command))

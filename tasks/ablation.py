@@ -175,8 +175,10 @@ def write_ablation_report(results: list[RunResult], out_dir: Path, command: str)
         lines.append(f"| {mode} | {_cell(m['sft'])} | {_cell(m['final'])} | {gain_cell} | "
                      f"{_cell(m['error_share'], percent=True)} |")
     if "relative_reduction" in numbers:
-        lines += ["", f"Tool-error share among kept positives, roc paper vs off: "
-                      f"{100 * numbers['relative_reduction']:.0f}% lower (relative)."]
+        reduction = numbers["relative_reduction"]
+        lines += ["", "Tool-error share among kept positives, roc paper vs off: " + (
+            f"{100 * reduction:.0f}% lower (relative)." if not math.isnan(reduction)
+            else "not measurable (a mode kept no positive trajectory, or off kept no erring one).")]
     lines += ["", "Runs: " + ", ".join(f"`{r.run_id}`" for r in results), "", f"![curves]({plot.name})", ""]
     report = out_dir / "report.md"
     tmp = report.with_suffix(".md.tmp")

@@ -34,10 +34,13 @@ def test_gain_and_error_share_are_averaged_per_seed_then_over_seeds() -> None:
     assert numbers["relative_reduction"] == pytest.approx(0.6)
 
 
-def test_a_mode_without_positives_reports_nan_not_zero() -> None:
+def test_a_mode_without_positives_reports_nan_not_zero(tmp_path) -> None:
     numbers = compare([_run(0, "paper", 0.0, 0.0, [NAN, NAN]), _run(0, "off", 0.0, 0.0, [NAN])])
     assert math.isnan(numbers["modes"]["paper"]["error_share"][0])
     assert math.isnan(numbers["relative_reduction"])
+    report = write_ablation_report.fn([_run(0, "paper", 0.0, 0.0, [NAN]), _run(0, "off", 0.0, 0.0, [NAN])],
+                                      tmp_path, "rstar2 ablate").read_text()
+    assert "| paper | 0.000 ± 0.000 | 0.000 ± 0.000 | +0.0 ± 0.0 | n/a |" in report and "not measurable" in report
 
 
 def test_report_has_a_row_per_mode_the_command_and_a_png(tmp_path) -> None:

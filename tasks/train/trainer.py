@@ -45,9 +45,12 @@ def init_distributed() -> None:
     from deepspeed.utils import groups
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
-    if not torch.distributed.is_initialized():
-        # A vLLM engine shut down in this process destroys the default process group, which
-        # DeepSpeed still holds as its world and data-parallel groups: drop those references.
+    world = groups._WORLD_GROUP
+    if not torch.distributed.is_initialized() or (
+            world is not None and world not in torch.distributed.distributed_c10d._world.pg_map):
+        # A vLLM engine shut down in this process destroys every process group, which DeepSpeed
+        # still holds as its world and data-parallel groups (and the next engine of the same
+        # process, e.g. the next run of an ablation, creates new ones): drop those references.
         groups._release_process_group_references(None)
     deepspeed.init_distributed()
 
