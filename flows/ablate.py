@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import shlex
 from pathlib import Path
 from typing import Any
 
 from prefect import flow
 
 from flows.pipeline import pipeline
-from tasks.ablation import read_run, start_from_sft_of, write_ablation_report
+from tasks.ablation import ablation_command, read_run, start_from_sft_of, write_ablation_report
 from tasks.config import default_config_path, load_config
 
 
@@ -31,7 +29,5 @@ def ablate(config: str = str(default_config_path()), seeds: int = 3, modes: list
                 start_from_sft_of(cfg.run_dir(first), cfg.run_dir(run_id))
             pipeline(config, run_id, {**(overrides or {}), "seed": seed, "rl.roc.mode": mode})
             results.append(read_run(cfg.run_dir(run_id), seed, mode, [s.name for s in cfg.rl.stages]))
-    command = shlex.join(["rstar2", "ablate", "--config", config, "--seeds", str(seeds), "--modes", *modes,
-                          "--name", name,
-                          *(f"--set={k}={json.dumps(v)}" for k, v in (overrides or {}).items())])
+    command = ablation_command(config, seeds, modes, overrides or {}, name)
     return str(write_ablation_report(results, Path(cfg.output_dir) / "ablations" / name, command))

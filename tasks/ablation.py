@@ -9,7 +9,9 @@ tasks read the runs' tables and write the report (Markdown and PNG plots).
 
 from __future__ import annotations
 
+import json
 import math
+import shlex
 import shutil
 import statistics
 from dataclasses import dataclass, field
@@ -65,6 +67,12 @@ def compare(results: list[RunResult], baseline: str = "off", treatment: str = "p
         base, treat = modes[baseline]["error_share"][0], modes[treatment]["error_share"][0]
         out["relative_reduction"] = (base - treat) / base if base and not math.isnan(base) else math.nan
     return out
+
+
+def ablation_command(config: str, seeds: int, modes: list[str], overrides: dict, name: str) -> str:
+    """The `rstar2 ablate` command line that reproduces an ablation, for its report."""
+    return shlex.join(["rstar2", "ablate", "--config", config, "--seeds", str(seeds), "--modes", *modes,
+                       "--name", name, *(f"--set={k}={json.dumps(v)}" for k, v in overrides.items())])
 
 
 @task(cache_policy=NO_CACHE)
