@@ -79,5 +79,5 @@ def test_ablate_flow_runs_each_mode_from_one_sft_policy_and_reports(tmp_path) ->
         assert (run / "evaluations" / "checkpoint=sft").exists() and (run / "models" / "stage1").exists()
     text = Path(report).read_text()
     assert "| paper |" in text and "| off |" in text and "t-s0-off" in text
-    assert "--seeds 1 --modes paper off --name t --set=" in text
+    assert "rstar2 ablate --config" in text and "--seeds 1 --modes paper off --name t " in text
     assert (Path(report).parent / "curves.png").exists()
