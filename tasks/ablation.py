@@ -20,7 +20,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.store.tables import read_table
+from tasks.store.tables import evaluation_rows, stage_steps
 
 # What the report plots per RL step: (steps-table metric, axis title).
 STEP_METRICS = {"reward_mean": "reward (mean)", "roc/kept_pos_tool_error_share": "tool-error share, kept positives",
@@ -102,15 +102,11 @@ def start_from_sft_of(source: Path, target: Path) -> None:
 @task(cache_policy=NO_CACHE)
 def read_run(run_dir: Path, seed: int, mode: str, stage_names: list[str]) -> RunResult:
     """A finished run's held-out pass@1 per checkpoint and its RL step metrics, stage by stage."""
-    evaluations = sorted((run_dir / "evaluations").glob("checkpoint=*/benchmark=heldout/part-0.parquet"),
-                         key=lambda p: p.stat().st_mtime_ns)
-    pass_at_1 = {row["checkpoint"]: row["pass_at_1"] for part in evaluations for row in read_table(part)}
+    pass_at_1 = {row["checkpoint"]: row["pass_at_1"]
+                 for row in evaluation_rows(run_dir) if row["benchmark"] == "heldout"}
     result = RunResult(seed, mode, run_dir.name, pass_at_1, {m: [] for m in STEP_METRICS})
     for stage in stage_names:
-        parts = sorted((run_dir / "steps" / f"stage={stage}").glob("step=*/part-0.parquet"),
-                       key=lambda p: int(p.parent.name.removeprefix("step=")))
-        for part in parts:
-            values = {row["metric"]: row["value"] for row in read_table(part)}
+        for values in stage_steps(run_dir, stage).values():
             for metric in STEP_METRICS:
                 result.steps[metric].append(values.get(metric, math.nan))
         result.stage_ends.append(len(result.steps["reward_mean"]))

@@ -25,7 +25,7 @@ from tasks.config import RunConfig
 from tasks.rollout.metrics import rollout_metrics
 from tasks.rollouts import Rollouts
 from tasks.runtime import RunContext
-from tasks.store.tables import EVALUATIONS, partition, read_table, write_json, write_table
+from tasks.store.tables import EVALUATIONS, evaluation_rows, partition, stage_steps, write_json, write_table
 from tasks.tracking.mlflow_log import Tracker
 
 SUMMARY_COLUMNS = ["stage", "steps", "pass@1 before", "pass@1 after", "tool-call rate", "tool-error rate", "wall s"]
@@ -134,12 +134,8 @@ def publish_stage_summary(ctx: RunContext, stage: str) -> None:
     table artifact: reward, kept, tool use, length, timing."""
     columns = ("reward_mean", "kept", "tool_call_rate", "tool_error_rate", "response_length_mean",
                "engine_idle_fraction", "time_rollout_s", "time_update_s")
-    steps: dict[int, dict] = {}
-    for part in (ctx.run_dir / "steps" / f"stage={stage}").glob("step=*/part-0.parquet"):
-        for row in read_table(part):
-            steps.setdefault(row["step"], {})[row["metric"]] = row["value"]
     rows = [{"step": step, **{c: round(float(m[c]), 4) for c in columns if c in m}}
-            for step, m in sorted(steps.items())]
+            for step, m in stage_steps(ctx.run_dir, stage).items()]
     key = "stage-summary-" + "".join(c if c.isalnum() else "-" for c in stage.lower())
     create_table_artifact(rows, key=key, description=f"RL stage {stage}, one row per step")
 
@@ -176,8 +172,7 @@ def summarize_eval(ctx: RunContext, label: str, benchmark: str, rollouts: Rollou
 
 def evaluation_markdown(run_dir: Path) -> str:
     """pass@1 of every evaluated checkpoint (rows, in evaluation order) on every benchmark."""
-    parts = sorted((run_dir / "evaluations").glob("*/*/part-0.parquet"), key=lambda p: p.stat().st_mtime_ns)
-    rows = [row for part in parts for row in read_table(part)]
+    rows = evaluation_rows(run_dir)
     checkpoints = list(dict.fromkeys(r["checkpoint"] for r in rows))
     benchmarks = list(dict.fromkeys(r["benchmark"] for r in rows))
     value = {(r["checkpoint"], r["benchmark"]): r["pass_at_1"] for r in rows}

@@ -121,6 +121,21 @@ def step_part(run_dir: Path, table: str, stage: str, step: int) -> Path:
     return partition(run_dir, table, stage=stage, step=step)
 
 
+def evaluation_rows(run_dir: Path) -> list[dict]:
+    """Every row of a run's evaluations table, in the order the evaluations were written."""
+    parts = sorted((run_dir / "evaluations").glob("*/*/part-0.parquet"), key=lambda p: p.stat().st_mtime_ns)
+    return [row for part in parts for row in read_table(part)]
+
+
+def stage_steps(run_dir: Path, stage: str) -> dict[int, dict[str, float]]:
+    """step -> {metric: value} of one RL stage, from the steps table, in step order."""
+    steps: dict[int, dict[str, float]] = {}
+    for part in (run_dir / "steps" / f"stage={stage}").glob("step=*/part-0.parquet"):
+        for row in read_table(part):
+            steps.setdefault(row["step"], {})[row["metric"]] = row["value"]
+    return dict(sorted(steps.items()))
+
+
 def rollout_rows(run_id: str, stage: str, step: int, trajectories, questions: dict[str, str],
                  labels: dict[str, str], predicted: list[str | None], rewards: list[float],
                  kept: list[bool] | None = None, advantages: list[float] | None = None) -> list[dict]:
