@@ -2,13 +2,13 @@
 question into the program, the printed value into the answer), measured during pre-training.
 
 Builds the tiny model as the pipeline does, pre-trains it on `question\\nprogram` documents
-(optionally mixed with dense copy documents, `Repeat: <numbers>\\n<numbers>`), and every
+after a first phase of copy drills (`Repeat: <numbers>\\n<numbers>`), as the pipeline does, and every
 --every steps greedy-decodes the program after `question\\n` for 64 problems from a fresh seed:
 `exact` is the share of programs exactly right, `numbers` the share of the question's numbers
 found in the program (chance is ~0.15-0.2: small numbers recur in every template). LOG.md has the
 results that motivated it. Example:
 
-    .venv/bin/python scripts/copy_probe.py --steps 400 --lr 3e-4 --copy-share 0.5
+    .venv/bin/python scripts/copy_probe.py --steps 800 --lr 3e-4 --copy-share 0.5
 """
 
 from __future__ import annotations
@@ -25,22 +25,12 @@ import torch
 from transformers import AutoTokenizer
 
 from tasks.config import OptimConfig, TinyModelConfig
-from tasks.data.pretrain import pack_documents, pretraining_documents
 from tasks.data.problems import generate_problems
-from tasks.rl.batch import Sample
+from tasks.sft import pretraining_phases
 from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer
 
 LEVELS = [1, 2, 3]
-
-
-def copy_documents(n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    documents = []
-    for _ in range(n):
-        numbers = " ".join(str(rng.randint(0, 10 ** rng.randint(1, 8))) for _ in range(rng.randint(1, 4)))
-        documents.append(f"Repeat: {numbers}\n{numbers}\n")
-    return documents
 
 
 @torch.no_grad()
@@ -62,40 +52,40 @@ def probe(model, tokenizer, problems) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--copy-share", type=float, default=0.5, help="share of the steps spent on copy drills first")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--kv-heads", type=int, default=1)
-    parser.add_argument("--copy-share", type=float, default=0.0, help="share of dense copy documents")
+    parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
     tiny = TinyModelConfig(vocab_size=2048, hidden_size=192, num_layers=4, num_heads=3, num_kv_heads=args.kv_heads,
-                           intermediate_size=512, max_position_embeddings=1024)
+                           intermediate_size=512, max_position_embeddings=1024, pretrain_steps=args.steps,
+                           pretrain_copy_share=args.copy_share, pretrain_batch_size=args.batch,
+                           pretrain_seq_len=args.seq_len, pretrain_lr=args.lr)
     corpus = [p.question + "\n" + p.solution_code for p in generate_problems(256, LEVELS, 0)]
     model_dir = build_tiny_model(tiny, corpus, 0, Path(tempfile.mkdtemp(prefix="copy-probe-")))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    n = args.steps * args.batch * 8
-    documents = pretraining_documents(n, LEVELS, seed=2_000_003)
-    documents += copy_documents(round(n * args.copy_share / (1 - args.copy_share)), seed=5) if args.copy_share else []
-    random.Random(0).shuffle(documents)
-    samples = [Sample(ids, [1] * len(ids)) for ids in pack_documents(tokenizer, documents, args.seq_len)]
-    optim = OptimConfig(lr=args.lr, schedule="cosine", warmup_steps=max(args.steps // 20, 1), zero_stage=1,
+    optim = OptimConfig(lr=args.lr, schedule="constant", warmup_steps=args.steps // 40, zero_stage=1,
                         micro_batch_size=16)
     trainer = Trainer(model_dir, optim, args.steps, "float32", 0, args.threads)
     problems = generate_problems(64, LEVELS, seed=777)
-    rng, per_epoch, started = random.Random(0), len(samples) // args.batch, time.perf_counter()
-    for step in range(args.steps):
-        if step % per_epoch == 0:
-            rng.shuffle(samples)
-        start = (step % per_epoch) * args.batch
-        metrics = trainer.sft_step(samples[start : start + args.batch])
-        if (step + 1) % args.every == 0:
-            exact, numbers = probe(trainer.engine.module, tokenizer, problems)
-            print(json.dumps({"step": step + 1, "loss": round(metrics["loss"], 3), "exact": exact,
-                              "numbers": round(numbers, 3), "s": round(time.perf_counter() - started)}), flush=True)
+    rng, step, started = random.Random(0), 0, time.perf_counter()
+    for samples, steps in pretraining_phases(tokenizer, tiny, LEVELS, seed=0):
+        per_epoch = len(samples) // args.batch
+        for phase_step in range(steps):
+            if phase_step % per_epoch == 0:
+                rng.shuffle(samples)
+            start = (phase_step % per_epoch) * args.batch
+            metrics = trainer.sft_step(samples[start : start + args.batch])
+            step += 1
+            if step % args.every == 0:
+                exact, numbers = probe(trainer.engine.module, tokenizer, problems)
+                print(json.dumps({"step": step, "loss": round(metrics["loss"], 3), "exact": exact,
+                                  "numbers": round(numbers, 3), "s": round(time.perf_counter() - started)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -29,13 +29,15 @@ class TinyModelConfig(_Strict):
     num_kv_heads: int = 2
     intermediate_size: int = 512
     max_position_embeddings: int = 2048
-    # Language-model pre-training on problem statements and their programs (generated from a
-    # seed disjoint from the curated splits): a real base model arrives able to read numbers
-    # and write Python; the tiny one learns it here.
+    # Language-model pre-training (generated from seeds disjoint from the curated splits): a
+    # real base model arrives able to copy numbers, read them and write Python; the tiny one
+    # learns it here, first on copy drills (the first `pretrain_copy_share` of the steps), then on
+    # problem statements and their programs.
     pretrain_steps: int = 0
+    pretrain_copy_share: float = Field(0.5, ge=0.0, le=1.0)
     pretrain_batch_size: int = 32
     pretrain_seq_len: int = 256
-    pretrain_lr: float = 3e-3
+    pretrain_lr: float = 3e-4
 
 
 class ModelConfig(_Strict):

@@ -10,9 +10,9 @@ from prefect.cache_policies import NO_CACHE
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from tasks.config import OptimConfig, RunConfig
+from tasks.config import OptimConfig, RunConfig, TinyModelConfig
 from tasks.curate import load_problems
-from tasks.data.pretrain import pack_documents, pretraining_documents
+from tasks.data.pretrain import copy_documents, pack_documents, pretraining_documents
 from tasks.data.sft import Segments, build_sft_examples, chats_from_file, tokenize_segments
 from tasks.rl.batch import Sample
 from tasks.runtime import RunContext
@@ -41,6 +41,21 @@ def _sft_examples(cfg: RunConfig, ctx: RunContext | None = None) -> list[Segment
     return examples
 
 
+def pretraining_phases(tokenizer, tiny: TinyModelConfig, levels: list[int], seed: int) -> list[tuple[list[Sample], int]]:
+    """(packed samples, optimizer steps) per phase of the tiny model's pre-training: copy drills
+    first, so the copy mechanism forms, then problem documents."""
+    copy_steps = round(tiny.pretrain_steps * tiny.pretrain_copy_share)
+    phases = []
+    for documents, steps in ((copy_documents, copy_steps), (None, tiny.pretrain_steps - copy_steps)):
+        if not steps:
+            continue
+        n = steps * tiny.pretrain_batch_size * 8  # documents are far shorter than a sequence
+        texts = copy_documents(n, seed + 5) if documents else pretraining_documents(n, levels, seed + 2_000_003)
+        packed = pack_documents(tokenizer, texts, tiny.pretrain_seq_len)
+        phases.append(([Sample(ids, [1] * len(ids)) for ids in packed], steps))
+    return phases
+
+
 @task(cache_policy=NO_CACHE)
 def build_base_model(cfg: RunConfig, ctx: RunContext, train_path: Path, stage_run_id: str) -> tuple[Path, int]:
     """A real model directory from the config, or the tiny model built (and pre-trained) from
@@ -53,30 +68,32 @@ def build_base_model(cfg: RunConfig, ctx: RunContext, train_path: Path, stage_ru
     model_dir = build_tiny_model(tiny, corpus, cfg.seed, ctx.run_dir / "models" / "base")
     if tiny.pretrain_steps:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        documents = pretraining_documents(tiny.pretrain_steps * tiny.pretrain_batch_size * 8, cfg.data.levels,
-                                          seed=cfg.seed + 2_000_003)
-        samples = [Sample(ids, [1] * len(ids)) for ids in pack_documents(tokenizer, documents, tiny.pretrain_seq_len)]
-        optim = OptimConfig(lr=tiny.pretrain_lr, schedule="cosine", warmup_steps=tiny.pretrain_steps // 20,
+        # Constant after warm-up: a decaying rate slowed the problem phase that follows the drills.
+        optim = OptimConfig(lr=tiny.pretrain_lr, schedule="constant", warmup_steps=tiny.pretrain_steps // 40,
                             zero_stage=1, micro_batch_size=16)
         trainer = Trainer(model_dir, optim, tiny.pretrain_steps, cfg.model.dtype, cfg.seed, cfg.trainer_threads)
-        _train(trainer, samples, tiny.pretrain_batch_size, tiny.pretrain_steps, "pretrain", ctx, stage_run_id, cfg.seed)
+        first = 0
+        for samples, steps in pretraining_phases(tokenizer, tiny, cfg.data.levels, cfg.seed):
+            _train(trainer, samples, tiny.pretrain_batch_size, steps, "pretrain", ctx, stage_run_id, cfg.seed, first)
+            first += steps
         trainer.save_pretrained(model_dir)
     return model_dir, tiny.pretrain_steps
 
 
-def _train(trainer: Trainer, samples: list[Sample], batch_size: int, total: int, desc: str,
-           ctx: RunContext, stage_run_id: str, seed: int) -> None:
-    """`total` optimizer steps over shuffled epochs of the samples, with a progress bar."""
+def _train(trainer: Trainer, samples: list[Sample], batch_size: int, steps: int, desc: str,
+           ctx: RunContext, stage_run_id: str, seed: int, first_step: int = 0) -> None:
+    """`steps` optimizer steps over shuffled epochs of the samples, with a progress bar; metrics
+    are logged from `first_step` on (a later phase of the same training continues the curve)."""
     steps_per_epoch = max(len(samples) // batch_size, 1)
     rng = random.Random(seed)
     tracker = ctx.tracker
-    with tqdm(total=total, desc=desc, disable=None) as progress:
-        for step in range(total):
+    with tqdm(total=steps, desc=desc, disable=None) as progress:
+        for step in range(steps):
             if step % steps_per_epoch == 0:
                 rng.shuffle(samples)
             start = (step % steps_per_epoch) * batch_size
             metrics = trainer.sft_step(samples[start : start + batch_size])
-            tracker.log_metrics(stage_run_id, {f"{desc}/{k}": v for k, v in metrics.items()}, step)
+            tracker.log_metrics(stage_run_id, {f"{desc}/{k}": v for k, v in metrics.items()}, first_step + step)
             progress.set_postfix(loss=f"{metrics['loss']:.3f}")
             progress.update(1)
 

@@ -42,3 +42,22 @@ def test_tags_are_single_tokens_and_digits_split(tmp_path):
     assert pieces[-5:] == ["4", "0", "9", "6", "1"]
     text = tool_call_text("execute_python_code_with_standard_io", "print(2 ** 10)")
     assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+
+
+def test_pretraining_starts_with_copy_drills_then_problems(tmp_path):
+    from tasks.data.pretrain import copy_documents
+    from tasks.sft import pretraining_phases
+
+    for document in copy_documents(50, seed=1):
+        prompt, numbers, rest = document.split("\n")
+        assert prompt == "Repeat: " + numbers and rest == "" and 1 <= len(numbers.split()) <= 4
+    tokenizer = AutoTokenizer.from_pretrained(_build(tmp_path / "m"))
+    tiny = CFG.model_copy(update={"pretrain_steps": 10, "pretrain_copy_share": 0.3, "pretrain_batch_size": 2,
+                                  "pretrain_seq_len": 32})
+    (drills, drill_steps), (problems, problem_steps) = pretraining_phases(tokenizer, tiny, [1, 2], seed=0)
+    assert (drill_steps, problem_steps) == (3, 7)
+    assert all(len(s.token_ids) == 32 and all(s.loss_mask) for s in drills + problems)
+    assert "Repeat:" in tokenizer.decode(drills[0].token_ids)
+    assert any("print(" in tokenizer.decode(s.token_ids) for s in problems)
+    no_drills = tiny.model_copy(update={"pretrain_copy_share": 0.0})
+    assert [steps for _, steps in pretraining_phases(tokenizer, no_drills, [1, 2], seed=0)] == [10]
