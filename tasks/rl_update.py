@@ -54,7 +54,7 @@ def update_policy(runtime: Runtime, batch: TrainingBatch, cfg: RunConfig) -> dic
     if not batch.samples:
         return {"update_skipped": 1.0}
     started = time.perf_counter()
-    metrics = runtime.trainer.rl_step(batch.samples, cfg.rl.loss)
+    metrics = runtime.trainer.rl_step(batch.samples, cfg.rl.loss, cfg.rollout.temperature)
     metrics["time_update_s"] = time.perf_counter() - started
     return metrics
 

@@ -47,6 +47,12 @@ def test_positive_advantage_raises_log_probs_negative_lowers(trainer):
     assert metrics["tokens"] == 16 and metrics["grad_norm"] > 0 and metrics["entropy"] > 0
 
 
+def test_log_probs_are_those_of_the_sampling_temperature(trainer):
+    samples = _samples([0.0, 0.0])  # no advantage: the policy does not move between the calls
+    hot, cold = (trainer.rl_step(samples, LossConfig(), temperature=t)["entropy"] for t in (2.0, 0.5))
+    assert hot > trainer.rl_step(samples, LossConfig())["entropy"] > cold
+
+
 def test_lr_schedule_warms_up_from_the_first_step():
     optim = OptimConfig(lr=1.0, warmup_steps=3, schedule="cosine")
     values = [lr_multiplier(step, optim, total_steps=13) for step in range(14)]

@@ -167,10 +167,14 @@ class Trainer:
         with self._threads():
             return self._sft_step(samples)
 
-    def rl_step(self, samples: list[Sample], loss_cfg: LossConfig) -> dict:
-        """One PPO-clip update; old log-probs are recomputed here, before any parameter moves."""
+    def rl_step(self, samples: list[Sample], loss_cfg: LossConfig, temperature: float = 1.0) -> dict:
+        """One PPO-clip update; old log-probs are recomputed here, before any parameter moves.
+
+        `temperature` is the rollouts' sampling temperature: log-probs (and the entropy metric)
+        are those of the distribution the tokens were drawn from. At 0.6 without it, the tiny
+        default's reward fell from 0.32 to 0 in ten steps (LOG.md, session 5)."""
         with self._threads():
-            return self._rl_step(samples, loss_cfg)
+            return self._rl_step(samples, loss_cfg, temperature)
 
     def _sft_step(self, samples: list[Sample]) -> dict:
         batches = list(self._micro_batches(samples))
@@ -186,7 +190,7 @@ class Trainer:
             total += loss.item()
         return self._finish_step({"loss": total, "tokens": num_tokens})
 
-    def _rl_step(self, samples: list[Sample], loss_cfg: LossConfig) -> dict:
+    def _rl_step(self, samples: list[Sample], loss_cfg: LossConfig, temperature: float) -> dict:
         batches = list(self._micro_batches(samples))
         num_tokens = self._batch_tokens(batches)
         self._accumulate(len(batches))
@@ -194,7 +198,7 @@ class Trainer:
         self.engine.eval()
         with torch.no_grad():
             for ids, attention, target_mask, _ in batches:
-                logits = self._logits(ids, attention)
+                logits = self._logits(ids, attention) / temperature
                 old_logps.append(token_logprobs(logits, ids[:, 1:]))
                 log_probs = torch.log_softmax(logits, dim=-1)
                 entropy = -(log_probs.exp() * log_probs).sum(-1)
@@ -202,7 +206,7 @@ class Trainer:
         self.engine.train()
         metrics = {"loss": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "dual_clip_frac": 0.0}
         for (ids, attention, target_mask, advantages), old_logp in zip(batches, old_logps):
-            logp = token_logprobs(self._logits(ids, attention), ids[:, 1:])
+            logp = token_logprobs(self._logits(ids, attention) / temperature, ids[:, 1:])
             loss, clip = ppo_clip_loss(logp, old_logp, advantages, target_mask, loss_cfg.eps_low,
                                        loss_cfg.eps_high, loss_cfg.dual_clip, num_tokens=num_tokens)
             self.engine.backward(loss * self._loss_scale(), scale_wrt_gas=False)
