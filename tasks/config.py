@@ -124,6 +124,10 @@ class SftSourceConfig(_Source):
 class SftConfig(_Strict):
     sources: list[SftSourceConfig] = [SftSourceConfig(name="generated")]
     n_examples: int = 2000  # of the generated source
+    # Of the generated tool-call examples, the share whose first call fails and is corrected
+    # (the failed call is context, not a target). Without any, the tiny default's policy never
+    # retries after an error, so its positive trajectories carry no tool errors for RoC to filter.
+    recovery_share: float = Field(0.0, ge=0.0, le=1.0)
     epochs: int = 3
     batch_size: int = 32
     max_len: int = 512

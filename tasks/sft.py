@@ -28,7 +28,7 @@ def _sft_examples(cfg: RunConfig, ctx: RunContext | None = None) -> list[Segment
     for source in cfg.sft.sources:
         if source.format == "generated":
             found, rejected = build_sft_examples(cfg.sft.n_examples, cfg.data.levels, cfg.seed, cfg.rollout.tool_name,
-                                                 cfg.rollout.tool_spec), []
+                                                 cfg.rollout.tool_spec, recovery_share=cfg.sft.recovery_share), []
         else:
             found, rejected = chats_from_file(source.name, source.format, source.path, source.messages, source.tools,
                                               source.limit, cfg.rollout.tool_name, cfg.rollout.tool_spec)
@@ -41,7 +41,8 @@ def _sft_examples(cfg: RunConfig, ctx: RunContext | None = None) -> list[Segment
     return examples
 
 
-def pretraining_phases(tokenizer, tiny: TinyModelConfig, levels: list[int], seed: int) -> list[tuple[list[Sample], int]]:
+def pretraining_phases(tokenizer, tiny: TinyModelConfig, levels: list[int],
+                       seed: int) -> list[tuple[list[Sample], int]]:
     """(packed samples, optimizer steps) per phase of the tiny model's pre-training: copy drills
     first, so the copy mechanism forms, then problem documents."""
     copy_steps = round(tiny.pretrain_steps * tiny.pretrain_copy_share)

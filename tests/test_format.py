@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tasks.data.problems import generate_problems, split_problems, solve
+from tasks.data.problems import generate_problems, solve, split_problems
 from tasks.data.sft import build_sft_examples
 from tasks.rollout.agent import RolloutSpec, Trajectory, end_turn, render_tool_result
 from tasks.rollout.format import (
@@ -138,3 +138,18 @@ def test_sft_examples_train_only_on_assistant_text():
         assert all("<tool_response>" not in text and "<|im_start|>system" not in text for text in trainable)
         assert trainable[-1].endswith("</answer><|im_end|>")
         assert masked[0].startswith("<|im_start|>system")
+
+
+def test_recovery_examples_answer_a_real_error_and_train_only_the_correction():
+    examples = build_sft_examples(40, [1, 2, 3], seed=0, tool_name=TOOL, recovery_share=0.5)
+    recovering = [e for e in examples if len(e) == 6]
+    assert len(recovering) == 16  # half of the 32 tool-call examples
+    errors = set()
+    for example in recovering:
+        (_, _), (broken, broken_trained), (error, _), (fixed, fixed_trained), (_, _), (answer, _) = example
+        assert not broken_trained and fixed_trained and broken != fixed
+        errors.add(error.split("\n</tool_response>")[0].rstrip().splitlines()[-1].split(":")[0])
+        assert answer.startswith("<answer>")
+    assert errors <= {"NameError", "SyntaxError"} and len(errors) == 2
+    assert build_sft_examples(40, [1, 2, 3], seed=0, tool_name=TOOL) == build_sft_examples(40, [1, 2, 3], seed=0,
+                                                                                           tool_name=TOOL)

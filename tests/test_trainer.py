@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-
 from transformers import AutoTokenizer
 
 from tasks.config import LossConfig, OptimConfig, TinyModelConfig

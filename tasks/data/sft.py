@@ -13,9 +13,10 @@ splits. Each example is a list of (text, trainable) segments in the rollout form
 
 from __future__ import annotations
 
-import random
-
 import json
+import linecache
+import random
+import traceback
 from pathlib import Path
 
 from tasks.data.problems import generate_problems
@@ -42,6 +43,40 @@ def tool_call_example(question: str, code: str, answer: str, tool_name: str, too
     ]
 
 
+def broken_program(code: str, rng: random.Random) -> tuple[str, str]:
+    """A plausible first attempt at `code` that fails, and the error text the sandbox prints for
+    it (Python's own, produced here the way the sandbox's runner does: generated, trusted code
+    that fails before doing any work)."""
+    kinds = ["typo", "unclosed"] + (["no_import"] if code.startswith("import math\n") else [])
+    kind = rng.choice(kinds)
+    broken = {"typo": code.replace("print(", "prnt(", 1), "unclosed": code[:-1],
+              "no_import": code.removeprefix("import math\n")}[kind]
+    linecache.cache["<code>"] = (len(broken), None, broken.splitlines(True), "<code>")  # quoted in tracebacks
+    try:
+        exec(compile(broken, "<code>", "exec"), {})  # noqa: S102
+    except SyntaxError as exc:
+        return broken, "".join(traceback.format_exception_only(type(exc), exc))
+    except NameError as exc:  # the runner's own frame is not shown, as in the sandbox
+        return broken, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
+    raise ValueError(f"the {kind} variant of {code!r} did not fail")
+
+
+def recovery_example(question: str, code: str, answer: str, tool_name: str, tool_spec: str,
+                     rng: random.Random) -> Segments:
+    """A failing tool call, its error, the corrected call and the answer. The failing call is
+    context, not a target: the model learns to recover from an error, not to make one. This is
+    what gives RL positive trajectories that contain tool errors, the ones RoC filters out."""
+    broken, error = broken_program(code, rng)
+    return [
+        (prompt_text(f"Use the Python tool. {question}", tool_name, tool_spec), False),
+        (tool_call_text(tool_name, broken), False),
+        (tool_response_text(error), False),
+        (tool_call_text(tool_name, code), True),
+        (tool_response_text(answer), False),
+        (answer_text(answer), True),
+    ]
+
+
 def instruction_example(number: int, tool_name: str, tool_spec: str) -> Segments:
     return [
         (prompt_text(f"Reply with the number {number} as your final answer.", tool_name, tool_spec), False),
@@ -50,13 +85,18 @@ def instruction_example(number: int, tool_name: str, tool_spec: str) -> Segments
 
 
 def build_sft_examples(n: int, levels: list[int], seed: int, tool_name: str, tool_spec: str = "schema",
-                       tool_share: float = 0.8) -> list[Segments]:
-    """n examples, a `tool_share` of them tool calls; deterministic from the seed."""
+                       tool_share: float = 0.8, recovery_share: float = 0.0) -> list[Segments]:
+    """n examples, a `tool_share` of them tool calls, a `recovery_share` of those recovering
+    from a failed first call; deterministic from the seed."""
     rng = random.Random(seed)
     n_tool = round(n * tool_share)
+    n_recovery = round(n_tool * recovery_share)
     # Offset the seed so these problems are not the curated train/held-out problems.
     problems = generate_problems(n_tool, levels, seed=seed + 1_000_003)
-    examples = [tool_call_example(p.question, p.solution_code, p.answer, tool_name, tool_spec) for p in problems]
+    examples = [recovery_example(p.question, p.solution_code, p.answer, tool_name, tool_spec, rng)
+                for p in problems[:n_recovery]]
+    examples += [tool_call_example(p.question, p.solution_code, p.answer, tool_name, tool_spec)
+                 for p in problems[n_recovery:]]
     examples += [instruction_example(rng.randint(0, 10**6), tool_name, tool_spec) for _ in range(n - n_tool)]
     rng.shuffle(examples)
     return examples

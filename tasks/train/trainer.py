@@ -12,8 +12,8 @@ import logging
 import math
 import os
 import socket
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ import torch
 from tasks.config import LossConfig, OptimConfig
 from tasks.rl.batch import Sample
 from tasks.rl.loss import ppo_clip_loss, sft_loss, token_logprobs
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
