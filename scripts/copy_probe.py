@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import re
 import tempfile
 import time
@@ -26,7 +25,7 @@ from transformers import AutoTokenizer
 
 from tasks.config import OptimConfig, TinyModelConfig
 from tasks.data.problems import generate_problems
-from tasks.sft import pretraining_phases
+from tasks.sft import epoch_batches, pretraining_phases
 from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer
 
@@ -73,20 +72,15 @@ def main() -> None:
                         micro_batch_size=16)
     trainer = Trainer(model_dir, optim, args.steps, "float32", 0, args.threads)
     problems = generate_problems(64, LEVELS, seed=777)
-    rng, step, started = random.Random(0), 0, time.perf_counter()
+    step, started = 0, time.perf_counter()
     for samples, steps in pretraining_phases(tokenizer, tiny, LEVELS, seed=0):
-        per_epoch = len(samples) // args.batch
-        for phase_step in range(steps):
-            if phase_step % per_epoch == 0:
-                rng.shuffle(samples)
-            start = (phase_step % per_epoch) * args.batch
-            metrics = trainer.sft_step(samples[start : start + args.batch])
+        for batch in epoch_batches(samples, args.batch, steps, seed=0):
+            metrics = trainer.sft_step(batch)
             step += 1
             if step % args.every == 0:
                 exact, numbers = probe(trainer.engine.module, tokenizer, problems)
                 print(json.dumps({"step": step, "loss": round(metrics["loss"], 3), "exact": exact,
                                   "numbers": round(numbers, 3), "s": round(time.perf_counter() - started)}), flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 from prefect import task
@@ -81,19 +82,25 @@ def build_base_model(cfg: RunConfig, ctx: RunContext, train_path: Path, stage_ru
     return model_dir, tiny.pretrain_steps
 
 
+def epoch_batches(samples: list[Sample], batch_size: int, steps: int, seed: int) -> Iterator[list[Sample]]:
+    """`steps` batches over shuffled epochs of the samples (shuffled in place, seeded)."""
+    steps_per_epoch = max(len(samples) // batch_size, 1)
+    rng = random.Random(seed)
+    for step in range(steps):
+        if step % steps_per_epoch == 0:
+            rng.shuffle(samples)
+        start = (step % steps_per_epoch) * batch_size
+        yield samples[start : start + batch_size]
+
+
 def _train(trainer: Trainer, samples: list[Sample], batch_size: int, steps: int, desc: str,
            ctx: RunContext, stage_run_id: str, seed: int, first_step: int = 0) -> None:
     """`steps` optimizer steps over shuffled epochs of the samples, with a progress bar; metrics
     are logged from `first_step` on (a later phase of the same training continues the curve)."""
-    steps_per_epoch = max(len(samples) // batch_size, 1)
-    rng = random.Random(seed)
     tracker = ctx.tracker
     with tqdm(total=steps, desc=desc, disable=None) as progress:
-        for step in range(steps):
-            if step % steps_per_epoch == 0:
-                rng.shuffle(samples)
-            start = (step % steps_per_epoch) * batch_size
-            metrics = trainer.sft_step(samples[start : start + batch_size])
+        for step, batch in enumerate(epoch_batches(samples, batch_size, steps, seed)):
+            metrics = trainer.sft_step(batch)
             tracker.log_metrics(stage_run_id, {f"{desc}/{k}": v for k, v in metrics.items()}, first_step + step)
             progress.set_postfix(loss=f"{metrics['loss']:.3f}")
             progress.update(1)

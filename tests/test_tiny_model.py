@@ -61,3 +61,11 @@ def test_pretraining_starts_with_copy_drills_then_problems(tmp_path):
     assert any("print(" in tokenizer.decode(s.token_ids) for s in problems)
     no_drills = tiny.model_copy(update={"pretrain_copy_share": 0.0})
     assert [steps for _, steps in pretraining_phases(tokenizer, no_drills, [1, 2], seed=0)] == [10]
+
+
+def test_epoch_batches_cover_each_sample_once_per_epoch():
+    from tasks.sft import epoch_batches
+
+    batches = list(epoch_batches(list(range(10)), batch_size=3, steps=7, seed=0))
+    assert len(batches) == 7 and all(len(b) == 3 for b in batches)
+    assert sorted(sum(batches[:3], [])) == sorted(set(sum(batches[:3], [])))  # 3 batches per epoch, no repeats
