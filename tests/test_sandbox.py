@@ -81,6 +81,24 @@ def test_final_bare_expression_is_echoed(service: SandboxService, code: str, std
     assert (result.status, result.stdout) == (ToolStatus.OK, stdout)
 
 
+@pytest.mark.parametrize(
+    "code, stdout, in_stderr",
+    [
+        # The server compiles most programs for the cells; these the cell compiles itself, and
+        # the program must not tell the difference.
+        ("x = 1\nprint(x is 1)", "True\n", 'SyntaxWarning: "is" with a literal'),
+        ("x = 0\n" + "x += 1\n" * 3000 + "x", "3000\n", ""),  # past the server's size cap
+        ("import sys\nprint(sys.argv, __name__, sys.stdout.seekable())", "[''] __main__ False\n",
+         ""),
+    ],
+)
+def test_program_sees_a_fresh_interpreter(service: SandboxService, code: str, stdout: str,
+                                          in_stderr: str) -> None:  # fmt: skip
+    result = execute(service.url, code)
+    assert (result.status, result.stdout) == (ToolStatus.OK, stdout), result
+    assert in_stderr in result.stderr
+
+
 def test_stdin_is_read(service: SandboxService) -> None:
     code = "import sys\nprint(sum(int(t) for t in sys.stdin.read().split()))"
     assert execute(service.url, code, "1 2\n3\n").stdout == "6\n"

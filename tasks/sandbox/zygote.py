@@ -30,14 +30,25 @@ loaded template per call ~3 ms more (measured on a 2-core VM, where every page f
 Namespaces are shared by the calls of one cell one after another, never at once, and nothing of
 a call survives it: its processes are killed, its directory and /dev/shm emptied.
 
+What is left of a small call's cost is mostly copy-on-write faults: every page that X (or I,
+after the fork) writes is copied, at ~5 us a fault on a VM. So X does as little as it can: I
+sets up once what every program starts with (environment, sys.argv, sys.path, the standard
+stream objects, no_new_privs), forks without CPython's after-fork hooks, and the server sends
+the program already compiled (marshal) when it can (see executor.TemplatePool._compiled).
+
 The first message T sends is a JSON report of what isolation the kernel allowed; the server logs
 it, and each cell's readiness report the same way.
 """
 
+import ast
 import ctypes
 import gc
+import importlib.util
 import json
+import linecache
+import marshal
 import os
+import random
 import resource
 import select
 import shutil
@@ -65,7 +76,12 @@ MS_REMOUNT, MS_BIND = 32, 4096
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 
-EXIT_MEMORY = 86  # kept equal to executor._EXIT_MEMORY
+# A program that dies of MemoryError exits with this code (here and in executor's runner), so the
+# status comes from the runner's own report, never from parsing the program's output. Chosen to
+# collide with no common convention (1 = exception, 2 = usage, 120 = flush failure, 128+n =
+# shell signal).
+EXIT_MEMORY = 86
+PROGRAM_FILENAME = "<code>"
 NOBODY = 65534
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -226,27 +242,30 @@ def _nobody_can_import(package_root: str) -> tuple[bool, str]:
 # The program's side (X)
 
 
-def _report(exc: BaseException) -> None:
+def compile_program(source: str) -> tuple[types.CodeType, types.CodeType | None]:
+    """The program's body and its final bare expression (echoed, IPython style), compiled as a
+    fresh `python` would compile a script. Raises SyntaxError or ValueError (null bytes)."""
+    tree = ast.parse(source, PROGRAM_FILENAME)
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = compile(ast.Expression(tree.body.pop().value), PROGRAM_FILENAME, "eval",
+                       dont_inherit=True)  # fmt: skip
+    return compile(tree, PROGRAM_FILENAME, "exec", dont_inherit=True), last
+
+
+def _report(exc: BaseException, source: str) -> None:
+    # Registered only now: tracebacks quote the offending lines, and a call that succeeds should
+    # not pay for it.
+    linecache.cache[PROGRAM_FILENAME] = (
+        len(source), None, source.splitlines(True), PROGRAM_FILENAME
+    )
     tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
     traceback.print_exception(type(exc), exc, tb)
 
 
-def _execute(source: str) -> int:
-    """Run `source` as __main__, echo a final bare expression, return the exit code."""
-    import ast
-    import linecache
-
-    filename = "<code>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    try:
-        tree = ast.parse(source, filename)
-        last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = compile(ast.Expression(tree.body.pop().value), filename, "eval")
-        body = compile(tree, filename, "exec")
-    except (SyntaxError, ValueError) as exc:
-        sys.stderr.write("".join(traceback.format_exception_only(type(exc), exc)))
-        return 1
+def _execute(program: tuple[types.CodeType, types.CodeType | None], source: str) -> int:
+    """Run the compiled program as __main__, echo a final bare expression, return the exit code."""
+    body, last = program
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = main
@@ -259,7 +278,7 @@ def _execute(source: str) -> int:
     except MemoryError as exc:
         main.__dict__.clear()
         try:
-            _report(exc)
+            _report(exc, source)
         except MemoryError:
             pass
         return EXIT_MEMORY
@@ -275,7 +294,7 @@ def _execute(source: str) -> int:
             pass
         return 1
     except BaseException as exc:  # KeyboardInterrupt too: the program failed
-        _report(exc)
+        _report(exc, source)
         return 1
     return 0
 
@@ -314,8 +333,7 @@ def _reseed_numpy() -> None:
 def _drop_capabilities() -> None:
     """Root without capabilities: no remounting, no new namespaces, no raw sockets, no ptrace of
     strangers; files are still checked against uid 0's own permission bits (hence the read-only
-    mounts). Also for any program it execs (empty bounding set, no_new_privs)."""
-    _libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+    mounts). Also for any program it execs (empty bounding set; no_new_privs comes from I)."""
     for cap in range(64):
         _libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP; EINVAL past the last cap is fine
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
@@ -328,10 +346,22 @@ def _vm_size() -> int:
         return int(f.read().split()[0]) * resource.getpagesize()
 
 
+def _read(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def _program(req: dict, fds: list[int], drop_to: int | None, vm_base: int,
              cgroup: bool) -> None:  # fmt: skip
-    """In X: isolate, run, exit. Never returns. Signal dispositions come from I (SIGPIPE
-    ignored, the rest default), as a fresh interpreter would have them."""
+    """In X: isolate, run, exit. Never returns. Signal dispositions, the environment, sys.argv,
+    sys.path and the (empty) standard stream objects come from I, set as a fresh interpreter
+    would have them (see _cell)."""
     code_rc = 1
     try:
         # Our own process group: `os.killpg(0, 9)` must not reach the cell.
@@ -341,16 +371,16 @@ def _program(req: dict, fds: list[int], drop_to: int | None, vm_base: int,
         os.dup2(fds[0], 1)
         os.dup2(fds[1], 2)
         os.closerange(3, 1 << 20)  # the status pipe, the cell's socket, everything inherited
-        with open(req["code_path"], encoding="utf-8", errors="replace") as f:
-            source = f.read()
+        # Plain reads: a text-mode open() builds a stack of io objects, ~60 page faults.
+        source = _read(req["code_path"]).decode("utf-8", errors="replace")
+        program = None
+        if req.get("compiled_path"):  # compiled by the server: the call skips the compiler
+            program = marshal.loads(_read(req["compiled_path"]))
         os.chdir(req["home"])
-        os.environ.clear()
-        os.environ.update(req["env"])
         if drop_to is not None:
             os.setgroups([])
             os.setgid(drop_to)
             os.setuid(drop_to)
-        _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # no setuid binary gives anything back
         if os.geteuid() == 0:
             _drop_capabilities()
         lim = req["limits"]
@@ -369,15 +399,16 @@ def _program(req: dict, fds: list[int], drop_to: int | None, vm_base: int,
             if held != resource.RLIM_INFINITY:
                 soft, hard = min(soft, held), min(hard, held)
             resource.setrlimit(which, (soft, hard))
-        # Fresh standard streams, as a new interpreter would have (nothing buffered from I).
-        sys.stdin = open(0, "r", encoding="utf-8", errors="strict", closefd=False)
-        sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
-        sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False,
-                          buffering=1)  # fmt: skip
-        sys.argv = [""]
-        sys.path = [p for p in sys.path if p not in ("", os.getcwd(), req["package_root"])]
-        _reseed_numpy()  # `random` reseeds itself in the child after a fork; numpy does not
-        code_rc = _execute(source)
+        # Fresh seeds: X was forked without CPython's after-fork hooks (see _fork), so `random`
+        # did not reseed itself, and numpy never does.
+        random.seed()
+        _reseed_numpy()
+        if program is None:
+            try:
+                program = compile_program(source)
+            except (SyntaxError, ValueError) as exc:
+                sys.stderr.write("".join(traceback.format_exception_only(type(exc), exc)))
+        code_rc = 1 if program is None else _execute(program, source)
     except BaseException:
         try:
             traceback.print_exc()
@@ -503,6 +534,15 @@ def _cell(sock: socket.socket, spec: dict, caps: dict) -> None:
             drop_to = NOBODY if ok else None
         vm_base = _vm_size()
         shm = "/dev/shm" if caps["mountns"] and os.path.isdir("/dev/shm") else None
+        # What every program starts with, set once here rather than in each X: a page X writes
+        # costs it a copy-on-write fault (~5 us on a VM), and that is most of a small call's cost.
+        sys.argv = [""]
+        sys.path = [p for p in sys.path if p not in ("", os.getcwd(), spec["package_root"])]
+        _program_streams()
+        raw_fork = len(os.listdir("/proc/self/task")) == 1
+        # Inherited by every X and irreversible: no setuid binary gives anything back. Set here
+        # once, after the set-up above, which needed I's privileges.
+        _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
         sock.send(json.dumps(report).encode())
         while True:
             message, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)
@@ -513,7 +553,7 @@ def _cell(sock: socket.socket, spec: dict, caps: dict) -> None:
                     os.close(fd)
                 continue  # a kill that arrived after its call ended
             if not _run_call(sock, json.loads(message), fds, drop_to, vm_base, pidns, shm,
-                             bool(spec.get("cgroup"))):  # fmt: skip
+                             bool(spec.get("cgroup")), raw_fork):  # fmt: skip
                 return
     except BaseException:
         traceback.print_exc()
@@ -521,8 +561,48 @@ def _cell(sock: socket.socket, spec: dict, caps: dict) -> None:
         os._exit(0)
 
 
+def _program_streams() -> None:
+    """sys.stdin/stdout/stderr as a fresh interpreter makes them for a program whose stdin is a
+    file and whose stdout and stderr are pipes. X inherits them empty (I flushes before each
+    fork) over its own fds 0-2. Made while fds 1 and 2 are pipes, so that `seekable()`, which
+    the wrappers decide when made, says False as it would for X's pipes; I's own tracebacks
+    still reach the server's log through fd 2."""
+    sys.stdin = open(0, "r", encoding="utf-8", errors="strict", closefd=False)
+    r, w = os.pipe()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        os.dup2(w, 1)
+        os.dup2(w, 2)
+        sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
+        sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False,
+                          buffering=1)  # fmt: skip
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (r, w, *saved):
+            os.close(fd)
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+
+
+_program_env: dict[str, str] = {}  # what I last set os.environ to, for its programs
+
+
+def _fork(raw: bool) -> int:
+    """fork(2) without CPython's after-fork work when the process has one thread: that work
+    (thread-state and lock re-initialisation, the `os.register_at_fork` hooks) is only needed
+    when other threads existed at the fork, and it costs the child ~200 copy-on-write faults,
+    ~0.6 ms. The child still reseeds `random` itself (_program)."""
+    if not raw:
+        return os.fork()
+    pid = _libc.fork()
+    if pid < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+    return pid
+
+
 def _run_call(sock: socket.socket, req: dict, fds: list[int], drop_to: int | None, vm_base: int,
-              pidns: bool, shm: str | None, cgroup: bool) -> bool:  # fmt: skip
+              pidns: bool, shm: str | None, cgroup: bool, raw_fork: bool) -> bool:  # fmt: skip
     """One call in I; False when the server hung up meanwhile."""
     status_w = fds[2]
     home = req["home"]
@@ -530,8 +610,15 @@ def _run_call(sock: socket.socket, req: dict, fds: list[int], drop_to: int | Non
         os.mkdir(home, 0o700)
         if drop_to is not None:
             os.chown(home, drop_to, drop_to)
+        if req["env"] != _program_env:  # the same for every call of a cell: set it once
+            os.environ.clear()
+            os.environ.update(req["env"])
+            _program_env.clear()
+            _program_env.update(req["env"])
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()  # X inherits these objects: nothing of I's may be left in them
         try:
-            pid = os.fork()
+            pid = _fork(raw_fork)
         except OSError as exc:
             os.write(status_w, b"E" + f"{type(exc).__name__}: {exc}".encode()[:200])
             return True
@@ -541,7 +628,10 @@ def _run_call(sock: socket.socket, req: dict, fds: list[int], drop_to: int | Non
         os.close(fds[1])
         why, hung_up = _await_program(pid, sock, req)
         status = _end_all(pid, pidns)
-        shutil.rmtree(home, ignore_errors=True)
+        try:
+            os.rmdir(home)  # most programs write no file: this is then all it takes
+        except OSError:
+            shutil.rmtree(home, ignore_errors=True)
         if shm:
             _empty(shm)
         os.write(status_w, b"S" + struct.pack("<iB", -1 if status is None else status, why))
@@ -633,7 +723,9 @@ def serve(sock: socket.socket, workers: int, processes: int) -> None:
         caps["pids_cgroup"] = _make_pids_cgroup(
             f"rstar2-sandbox-{os.getpid()}", 16 + 2 * workers * (3 + processes)
         )
-    sock.send(json.dumps({"ready": True, "pid": os.getpid(), **caps}).encode())
+    # The server compiles programs for the cells (marshal) only if its bytecode is ours.
+    magic = importlib.util.MAGIC_NUMBER.hex()
+    sock.send(json.dumps({"ready": True, "pid": os.getpid(), "magic": magic, **caps}).encode())
 
     cgroup = caps.get("pids_cgroup")
     stale: set[str] = set()  # cell cgroups whose processes are still being torn down
