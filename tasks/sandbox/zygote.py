@@ -399,10 +399,6 @@ def _program(req: dict, fds: list[int], drop_to: int | None, vm_base: int,
             if held != resource.RLIM_INFINITY:
                 soft, hard = min(soft, held), min(hard, held)
             resource.setrlimit(which, (soft, hard))
-        # Fresh seeds: X was forked without CPython's after-fork hooks (see _fork), so `random`
-        # did not reseed itself, and numpy never does.
-        random.seed()
-        _reseed_numpy()
         if program is None:
             try:
                 program = compile_program(source)
@@ -617,6 +613,11 @@ def _run_call(sock: socket.socket, req: dict, fds: list[int], drop_to: int | Non
             _program_env.update(req["env"])
         for stream in (sys.stdout, sys.stderr):
             stream.flush()  # X inherits these objects: nothing of I's may be left in them
+        # Fresh seeds for X, drawn here: in X the same work costs twice as much (its writes are
+        # copy-on-write faults). X is forked without CPython's after-fork hooks (see _fork), so
+        # `random` would not reseed itself there, and numpy never does.
+        random.seed()
+        _reseed_numpy()
         try:
             pid = _fork(raw_fork)
         except OSError as exc:
