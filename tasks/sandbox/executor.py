@@ -718,7 +718,6 @@ class TemplatePool:
             "compiled_path": compiled_path if compiled is not None else None,
             "stdin_path": stdin_path,
             "env": _environment(home),
-            "package_root": _PACKAGE_ROOT,
             "timeout_s": limits.timeout_s,
             "limits": {
                 f: getattr(limits, f)

@@ -587,7 +587,8 @@ def _fork(raw: bool) -> int:
     """fork(2) without CPython's after-fork work when the process has one thread: that work
     (thread-state and lock re-initialisation, the `os.register_at_fork` hooks) is only needed
     when other threads existed at the fork, and it costs the child ~200 copy-on-write faults,
-    ~0.6 ms. The child still reseeds `random` itself (_program)."""
+    ~0.6 ms. Of the hooks, only `random`'s reseeding matters to a program: I draws the seeds
+    before the fork instead (_run_call)."""
     if not raw:
         return os.fork()
     pid = _libc.fork()
