@@ -1,12 +1,17 @@
 """Discrete-event simulation of one paper-scale RL step's rollouts: KV-aware vs static scheduling.
 
+Three policies: static (the baseline), kv_aware (the paper's: each rollout reserves its full
+length of KV) and kv_observed (KV-aware, each rollout reserving `--kv-headroom` x the mean size of
+a previous step's rollouts, drawn from the same distribution).
+
 64 engines, 512 prompts x 32 rollouts, heavy-tailed multi-turn rollouts with tool calls whose
-latencies are drawn from measured sandbox latencies. Both runs use the scheduler code of the
+latencies are drawn from measured sandbox latencies. Every run uses the scheduler code of the
 real rollout loop (tasks/rollout/scheduler.py) on the same sampled rollouts; only the engine is
 modelled. For each KV-cache size (a sweep: how much memory the engines get depends on the
-model, the GPU and on what shares it, e.g. a colocated trainer) prints makespan, engine idle fraction, preemptions (running rollouts evicted from the
-KV cache, recomputed later) and prefix evictions (a rollout waiting on its tool lost its cached
-KV and recomputes it on its next turn), and recomputed tokens.
+model, the GPU and on what shares it, e.g. a colocated trainer) prints makespan, engine idle
+fraction, preemptions (running rollouts evicted from the KV cache, recomputed later) and
+prefix evictions (a rollout waiting on its tool lost its cached KV and recomputes it on its
+next turn), and recomputed tokens.
 
 The engine model, one vLLM engine per GPU (assumptions, with where the numbers come from):
 - KV cache: Qwen3-14B in bf16 keeps 40 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes =
@@ -46,7 +51,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tasks.rollout.scheduler import make_scheduler  # noqa: E402
+from tasks.rollout.scheduler import make_scheduler, reserve_tokens  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -134,12 +139,12 @@ class Engine:
 
 class Simulation:
     def __init__(self, rollouts: list[Rollout], n_engines: int, hw: Hardware, policy: str,
-                 max_rollout_tokens: int) -> None:  # fmt: skip
+                 reserve: int) -> None:  # fmt: skip
         self.rollouts = rollouts
         self.hw = hw
         self.engines = [Engine(hw) for _ in range(n_engines)]
         self.scheduler = make_scheduler(
-            policy, [hw.kv_tokens] * n_engines, max_rollout_tokens, range(len(rollouts))
+            policy, [hw.kv_tokens] * n_engines, reserve, range(len(rollouts))
         )
         self.events: list = []
         self.seq = 0
@@ -300,18 +305,33 @@ class Simulation:
         }
 
 
-def simulate(policy: str, args: argparse.Namespace, hw: Hardware) -> dict:
+def simulate(policy: str, args: argparse.Namespace, hw: Hardware,
+             reserve: str = "max_length") -> dict:  # fmt: skip
+    """One step's rollouts under `policy`; for kv_aware, `reserve` is its per-rollout KV reserve
+    mode, "observed" taking the mean size of a previous step's rollouts (another sample of the
+    same distribution)."""
     latencies = None
     if args.tool_latencies:
         latencies = [float(x) for x in Path(args.tool_latencies).read_text().split()]
-    rollouts = sample_rollouts(args.prompts * args.samples, args.max_response, args.max_turns,
-                               args.turn_median, latencies, args.seed)  # fmt: skip
+
+    def sample(seed: int) -> list[Rollout]:
+        return sample_rollouts(args.prompts * args.samples, args.max_response, args.max_turns,
+                               args.turn_median, latencies, seed)  # fmt: skip
+
+    rollouts = sample(args.seed)
     max_rollout = max(r.prompt for r in rollouts) + args.max_response
+    previous = [r.prompt + sum(r.turns) + sum(t for t, _ in r.tools) for r in sample(args.seed + 1)]
+    reserved = reserve_tokens(reserve, max_rollout, previous, args.kv_headroom)
     started = time.perf_counter()
-    result = Simulation(rollouts, args.engines, hw, policy, max_rollout).run()
+    result = Simulation(rollouts, args.engines, hw, policy, reserved).run()
     result["sim_s"] = time.perf_counter() - started
-    result["slots_per_engine"] = hw.kv_tokens // max_rollout
+    result["slots_per_engine"] = hw.kv_tokens // reserved
     return result
+
+
+# (label, policy, KV reserve): the baseline, the paper's scheduler, and ours.
+POLICIES = (("static", "static", "max_length"), ("kv_aware", "kv_aware", "max_length"),
+            ("kv_observed", "kv_aware", "observed"))
 
 
 def main() -> None:
@@ -325,6 +345,8 @@ def main() -> None:
     parser.add_argument("--kv-tokens", default="850000,500000,300000,200000",
                         help="KV-cache sizes per engine (tokens) to compare at, comma-separated")
     parser.add_argument("--tool-latencies", default=None, help="file: one latency (s) per line")
+    parser.add_argument("--kv-headroom", type=float, default=1.3,
+                        help="kv_observed reserves this times the previous step's mean rollout")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -336,15 +358,16 @@ def main() -> None:
           f"rollout: mean {sum(lengths) / len(lengths):.0f}, p50 {lengths[len(lengths) // 2]}, "
           f"p99 {lengths[int(0.99 * len(lengths))]}, "
           f"{sum(n >= args.max_response for n in lengths) / len(lengths):.0%} at the budget")  # fmt: skip
-    print(f"{'KV tokens':>9} {'policy':<9} {'slots':>5} {'makespan s':>11} {'idle':>6} "
+    print(f"{'KV tokens':>9} {'policy':<11} {'slots':>5} {'makespan s':>11} {'idle':>6} "
           f"{'preempted':>9} {'prefix evicted':>14} {'recomputed tok':>14} {'vs static':>10}")  # fmt: skip
     for kv in (int(x) for x in args.kv_tokens.split(",")):
         hw = Hardware(kv_tokens=kv)
-        results = {policy: simulate(policy, args, hw) for policy in ("static", "kv_aware")}
+        results = {label: simulate(policy, args, hw, reserve)
+                   for label, policy, reserve in POLICIES}  # fmt: skip
         for name, r in results.items():
             gain = 1 - r["makespan_s"] / results["static"]["makespan_s"]
-            slots = r["slots_per_engine"] if name == "kv_aware" else "-"
-            print(f"{kv:>9} {name:<9} {slots:>5} {r['makespan_s']:>11.1f} "
+            slots = r["slots_per_engine"] if name != "static" else "-"
+            print(f"{kv:>9} {name:<11} {slots:>5} {r['makespan_s']:>11.1f} "
                   f"{r['idle_fraction']:>6.1%} {r['preemptions']:>9} {r['prefix_evictions']:>14} "
                   f"{r['recomputed_tokens']:>14} {gain:>+10.1%}")  # fmt: skip
 

@@ -162,7 +162,7 @@ def record_step(ctx: RunContext, stage_run_id: str, stage: StageConfig, step: in
     metrics.update({"kept": sum(batch.kept), "dropped": len(batch.kept) - sum(batch.kept),
                     "time_rollout_s": times.total_s, "time_tool_wait_s": times.tool_wait_s,
                     "time_tool_exec_s": times.tool_exec_s, "engine_idle_fraction": times.engine_idle_fraction,
-                    "engine_preemptions": times.preemptions})
+                    "engine_preemptions": times.preemptions, "kv_reserve_tokens": times.kv_reserve_tokens})
     metrics.update(update)
     rows = [{"run_id": ctx.run_id, "stage": stage.name, "step": step, "metric": k, "value": float(v)}
             for k, v in metrics.items()]

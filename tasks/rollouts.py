@@ -32,8 +32,10 @@ class Rollouts:
 @task(cache_policy=NO_CACHE)
 def roll_out(runtime: Runtime, problems: list[Problem], samples: int, spec: RolloutSpec, desc: str) -> Rollouts:
     pairs = [(p.problem_id, p.question) for p in problems]
+    engine = runtime.cfg.engine
     trajectories, times = run_rollouts(runtime.engine, runtime.tools, runtime.tokenizer, pairs, samples, spec, desc,
-                                      runtime.cfg.engine.scheduler)
+                                      engine.scheduler, engine.kv_reserve, runtime.rollout_sizes, engine.kv_headroom)
+    runtime.rollout_sizes = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
     return Rollouts(problems, trajectories, times)
 
 

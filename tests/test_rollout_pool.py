@@ -1,4 +1,4 @@
-"""Rollouts over a real pool of two vLLM engine processes, under both scheduler policies.
+"""Rollouts over a real pool of two vLLM engine processes, under each scheduler policy.
 
 The model is untrained, so every turn runs to the token budget: long, same-length rollouts on
 engines whose KV cache holds only a few of them. The static split overflows the cache (vLLM
@@ -32,12 +32,16 @@ def services(model_dir):
         yield pool, tools
 
 
-@pytest.mark.parametrize("policy", ["static", "kv_aware"])
+@pytest.mark.parametrize("policy", ["static", "kv_aware", "kv_observed"])
 def test_rollouts_complete_on_a_two_engine_pool(model_dir, services, policy) -> None:
     pool, tools = services
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     problems = [(p.problem_id, p.question) for p in generate_problems(4, [1], seed=3)]
-    trajectories, times = run_rollouts(pool, tools, tokenizer, problems, 4, SPEC, policy=policy)
+    # kv_observed: as if the previous batch's rollouts had held 200 tokens each.
+    reserve, previous = ("observed", [200] * 8) if policy == "kv_observed" else ("max_length", [])
+    trajectories, times = run_rollouts(pool, tools, tokenizer, problems, 4, SPEC,
+                                       policy=policy.replace("kv_observed", "kv_aware"),
+                                       kv_reserve=reserve, previous_sizes=previous)
     assert len(trajectories) == 16
     for traj in trajectories:
         assert traj.stop_reason, traj
@@ -47,7 +51,10 @@ def test_rollouts_complete_on_a_two_engine_pool(model_dir, services, policy) -> 
     slots = [kv // longest for kv in pool.kv_tokens]
     assert min(slots) >= 1 and sum(slots) < 16, (pool.kv_tokens, longest)  # the pool cannot hold all at once
     assert all(t.stop_reason != "budget" or len(t.response_ids) > 0 for t in trajectories)
-    if policy == "kv_aware":
+    if policy == "kv_observed":
+        assert times.kv_reserve_tokens == 260  # 1.3 x 200, so more rollouts than full-length fit
+    elif policy == "kv_aware":
+        assert times.kv_reserve_tokens == longest
         assert times.preemptions == 0
     else:
         assert times.preemptions > 0, ([(t.stop_reason, len(t.response_ids), len(t.prompt_ids)) for t in trajectories], pool.kv_tokens)

@@ -5,7 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from tasks.rollout.scheduler import KVAwareScheduler, StaticScheduler, make_scheduler
+from tasks.rollout.scheduler import (
+    KVAwareScheduler,
+    StaticScheduler,
+    make_scheduler,
+    reserve_tokens,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -44,6 +49,24 @@ def test_kv_aware_rejects_an_engine_too_small_for_one_rollout() -> None:
         KVAwareScheduler([8_000, 3_000], 4_000, range(4))
 
 
+def test_reserve_is_the_full_length_or_headroom_times_the_observed_mean() -> None:
+    assert reserve_tokens("max_length", 8_000, [1_000, 3_000]) == 8_000
+    assert reserve_tokens("observed", 8_000, []) == 8_000  # nothing seen yet: the safe reserve
+    assert reserve_tokens("observed", 8_000, [1_000, 3_000]) == 2_600  # 1.3 x 2,000
+    assert reserve_tokens("observed", 8_000, [1_000, 3_000], headroom=1.0) == 2_000
+    assert reserve_tokens("observed", 8_000, [9_000, 9_000]) == 8_000  # never past the most
+    # The smaller reserve is what lets an engine hold more rollouts at once.
+    assert len(KVAwareScheduler([26_000], 2_600, range(20)).admit()) == 10
+    assert len(KVAwareScheduler([26_000], 8_000, range(20)).admit()) == 3
+
+
+def test_reserve_rejects_unknown_modes_and_headroom_below_one() -> None:
+    with pytest.raises(ValueError, match="unknown KV reserve 'p90'"):
+        reserve_tokens("p90", 8_000, [1_000])
+    with pytest.raises(ValueError, match="headroom must be at least 1, got 0.5"):
+        reserve_tokens("observed", 8_000, [1_000], headroom=0.5)
+
+
 def test_static_splits_everything_evenly_up_front() -> None:
     scheduler = StaticScheduler(3, range(7))
     started = scheduler.admit()
@@ -58,7 +81,8 @@ def test_unknown_policy_is_named() -> None:
 
 def test_simulation_finishes_every_rollout_and_kv_aware_never_evicts() -> None:
     args = type("Args", (), dict(prompts=16, samples=8, max_response=4096, max_turns=5,
-                                 turn_median=600, tool_latencies=None, seed=1, engines=4))  # fmt: skip
+                                 turn_median=600, tool_latencies=None, seed=1, engines=4,
+                                 kv_headroom=1.3))  # fmt: skip
     tight = scheduler_sim.Hardware(kv_tokens=40_000)
     static = scheduler_sim.simulate("static", args, tight)
     kv_aware = scheduler_sim.simulate("kv_aware", args, tight)
@@ -66,5 +90,9 @@ def test_simulation_finishes_every_rollout_and_kv_aware_never_evicts() -> None:
     assert static["recomputed_tokens"] > 0
     assert (kv_aware["preemptions"], kv_aware["prefix_evictions"]) == (0, 0)
     assert kv_aware["recomputed_tokens"] == 0
-    for result in (static, kv_aware):
+    observed = scheduler_sim.simulate("kv_aware", args, tight, reserve="observed")
+    assert observed["slots_per_engine"] > kv_aware["slots_per_engine"]
+    assert (observed["preemptions"], observed["prefix_evictions"]) == (0, 0)
+    assert observed["makespan_s"] < kv_aware["makespan_s"]  # bigger batches, same engines
+    for result in (static, kv_aware, observed):
         assert result["makespan_s"] > 0 and 0 <= result["idle_fraction"] < 1

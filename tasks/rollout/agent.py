@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
 from tasks.rollout.pool import EnginePool
-from tasks.rollout.scheduler import make_scheduler
+from tasks.rollout.scheduler import make_scheduler, reserve_tokens
 from tasks.rollout.format import (
     ANSWER_OPEN,
     TOOL_CALL_CLOSE,
@@ -145,6 +146,7 @@ class RolloutTimes:
     tool_exec_s: float = 0.0  # summed sandbox latency of all calls
     engine_idle_fraction: float = 0.0  # of the engines' time during the batch, spent idle
     preemptions: int = 0  # rollouts evicted from an engine's KV cache (recomputed later)
+    kv_reserve_tokens: int = 0  # what the KV-aware scheduler set aside per rollout
 
 
 def run_rollouts(
@@ -156,9 +158,13 @@ def run_rollouts(
     spec: RolloutSpec,
     desc: str = "rollouts",
     policy: str = "kv_aware",
+    kv_reserve: str = "max_length",
+    previous_sizes: Sequence[int] = (),
+    kv_headroom: float = 1.3,
 ) -> tuple[list[Trajectory], RolloutTimes]:
     """Roll out `samples_per_problem` trajectories for each (problem_id, question) on the pool,
-    engines chosen by the scheduler `policy` (tasks/rollout/scheduler.py)."""
+    engines chosen by the scheduler `policy`, with the KV-aware policy's per-rollout reserve from
+    `kv_reserve`, the previous batch's rollout sizes and `kv_headroom` (tasks/rollout/scheduler.py)."""
     started = time.perf_counter()
     times = RolloutTimes()
     busy_before = pool.stats()
@@ -169,8 +175,9 @@ def run_rollouts(
         prompt_ids = tokenizer(prompt_text(question, spec.tool_name, spec.tool_spec), add_special_tokens=False)["input_ids"]
         trajectories += [Trajectory(problem_id, s, prompt_ids) for s in range(samples_per_problem)]
     longest = max((len(t.prompt_ids) for t in trajectories), default=0)
-    scheduler = make_scheduler(policy, pool.kv_tokens, min(max_model_len, longest + spec.max_response_tokens),
-                               range(len(trajectories)))
+    times.kv_reserve_tokens = reserve_tokens(kv_reserve, min(max_model_len, longest + spec.max_response_tokens),
+                                             previous_sizes, kv_headroom)
+    scheduler = make_scheduler(policy, pool.kv_tokens, times.kv_reserve_tokens, range(len(trajectories)))
     engine_of: dict[int, int] = {}
     generating: set[int] = set()
     pending_tools: dict[int, tuple[Future, float]] = {}

@@ -6,31 +6,55 @@ interface: `admit()` returns the (rollout, engine) pairs to start now, `finish(r
 rollout has ended (all its turns), which may free room for others. A rollout stays on one engine
 for all its turns, so each turn finds the previous turns in that engine's prefix cache.
 
-- KV-aware (recipe.md section 6): engine e can hold K_e = kv_tokens_e // max_rollout_tokens
-  rollouts without its KV cache ever overflowing, however long they grow. Admit up to K_e per
-  engine (the engine with the most free slots first), keep the rest in one global queue, and
-  admit the next one the moment any rollout finishes. Engines never evict, and none sits idle
-  while another still has a backlog.
+- KV-aware (recipe.md section 6): engine e holds K_e = kv_tokens_e // reserve_tokens rollouts.
+  Admit up to K_e per engine (the engine with the most free slots first), keep the rest in one
+  global queue, and admit the next one the moment any rollout finishes, so that none sits idle
+  while another still has a backlog. The paper reserves each rollout's full length (prompt +
+  response budget): then no engine can ever overflow, however long its rollouts grow.
+  `reserve_tokens` (below) can instead reserve what rollouts were seen to hold: most end far
+  below the budget, so the paper's rule leaves much of the cache empty and batches small.
 - Static: every rollout is split evenly across engines up front (round-robin). Each engine's own
   scheduler then admits what fits in its KV cache now and, when the running rollouts outgrow it,
   evicts some and recomputes them later.
 """
 
+import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+
+def reserve_tokens(mode: str, max_rollout_tokens: int, previous: Sequence[int] = (),
+                   headroom: float = 1.3) -> int:  # fmt: skip
+    """KV tokens the KV-aware policy sets aside per rollout.
+
+    "max_length" (the paper): the rollout's most, prompt + response budget. "observed":
+    `headroom` x the mean size (prompt + everything generated and returned by tools) of the
+    previous batch's rollouts, the most until there is one. The rollouts running on an engine at
+    any moment are each part way through, and over a full engine their sum stays near its mean;
+    the headroom covers the spread (bench/scheduler_sim.py: 1.15 still overflowed now and then,
+    1.3 never did). An engine that overflows anyway preempts and recomputes, as without us.
+    """
+    if mode not in ("max_length", "observed"):
+        raise ValueError(f"unknown KV reserve {mode!r}; expected 'max_length' or 'observed'")
+    if headroom < 1:
+        raise ValueError(f"KV headroom must be at least 1, got {headroom}")
+    if mode == "max_length" or not previous:
+        return max_rollout_tokens
+    mean = sum(previous) / len(previous)
+    return max(1, min(max_rollout_tokens, math.ceil(headroom * mean)))
 
 
 class KVAwareScheduler:
-    def __init__(self, kv_tokens: list[int], max_rollout_tokens: int, rollouts: Iterable[int]):
-        if max_rollout_tokens <= 0:
-            raise ValueError(f"max_rollout_tokens must be positive, got {max_rollout_tokens}")
-        self.slots = [kv // max_rollout_tokens for kv in kv_tokens]
+    def __init__(self, kv_tokens: list[int], reserve_tokens: int, rollouts: Iterable[int]):
+        if reserve_tokens <= 0:
+            raise ValueError(f"reserve_tokens must be positive, got {reserve_tokens}")
+        self.slots = [kv // reserve_tokens for kv in kv_tokens]
         for engine, (kv, k) in enumerate(zip(kv_tokens, self.slots)):
             if k == 0:
                 raise ValueError(
                     f"engine {engine} has a KV cache of {kv} tokens, less than one rollout of "
-                    f"{max_rollout_tokens} tokens (prompt + response budget): raise its KV "
-                    "memory or lower the stage's max_response_tokens"
+                    f"{reserve_tokens} tokens (its reserve): raise its KV memory or lower the "
+                    "stage's max_response_tokens"
                 )
         self.waiting = deque(rollouts)
         self.running = [0] * len(self.slots)
@@ -67,10 +91,10 @@ class StaticScheduler:
 
 
 def make_scheduler(
-    policy: str, kv_tokens: list[int], max_rollout_tokens: int, rollouts: Iterable[int]
+    policy: str, kv_tokens: list[int], reserve_tokens: int, rollouts: Iterable[int]
 ) -> KVAwareScheduler | StaticScheduler:
     if policy == "kv_aware":
-        return KVAwareScheduler(kv_tokens, max_rollout_tokens, rollouts)
+        return KVAwareScheduler(kv_tokens, reserve_tokens, rollouts)
     if policy == "static":
         return StaticScheduler(len(kv_tokens), rollouts)
     raise ValueError(f"unknown scheduler policy {policy!r}; expected 'kv_aware' or 'static'")
