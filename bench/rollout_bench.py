@@ -10,11 +10,11 @@ processes vs `generate` with two threads.
 Part 2, scheduling: multi-turn agent rollouts (tool calls run in a real sandbox service) on a
 pool of two engine processes whose KV caches hold only a few full-length rollouts each, once per
 policy (static; KV-aware reserving full length, the paper's; KV-aware reserving 1.3 x the mean
-size of the previous run's rollouts), repeated `--repeats` times in alternation: makespan, engine idle fraction (time the
-engines spent outside a step), preemptions (vLLM evicting running rollouts from its KV cache, to
-recompute them later). The model for part 2 is the tiny model after a short tool-call SFT (so
-rollouts have mixed lengths and real tool turns); it is trained once and kept under
-`outputs/bench/rollout-model`.
+size of the previous run's rollouts), repeated `--repeats` times in alternation: makespan,
+engine idle fraction (time the engines spent outside a step), preemptions (vLLM evicting
+running rollouts from its KV cache, to recompute them later). The model for part 2 is the tiny
+model after a short tool-call SFT (so rollouts have mixed lengths and real tool turns); it is
+trained once and kept under `outputs/bench/rollout-model`.
 
     .venv/bin/python bench/rollout_bench.py          # ~6 min on 2 cores, first time ~8 min
 """

@@ -320,7 +320,9 @@ def simulate(policy: str, args: argparse.Namespace, hw: Hardware,
 
     rollouts = sample(args.seed)
     max_rollout = max(r.prompt for r in rollouts) + args.max_response
-    previous = [r.prompt + sum(r.turns) + sum(t for t, _ in r.tools) for r in sample(args.seed + 1)]
+    previous = []
+    if reserve == "observed":
+        previous = [r.prompt + sum(r.turns) + sum(t for t, _ in r.tools) for r in sample(args.seed + 1)]
     reserved = reserve_tokens(reserve, max_rollout, previous, args.kv_headroom)
     started = time.perf_counter()
     result = Simulation(rollouts, args.engines, hw, policy, reserved).run()

@@ -49,7 +49,7 @@ class Runtime:
         self.verifier: Verifier | None = None
         self.trainer: Trainer | None = None
         self.stages_trained: set[str] = set()  # RL stages this process has trained (or resumed)
-        self.rollout_sizes: list[int] = []  # tokens per rollout of the last batch (KV reserve)
+        self.rollout_sizes: list[int] = []  # tokens per rollout of the last batch, any kind (KV reserve)
 
     def __enter__(self) -> Runtime:
         box = self.cfg.sandbox
