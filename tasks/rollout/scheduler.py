@@ -8,8 +8,8 @@ for all its turns, so each turn finds the previous turns in that engine's prefix
 
 - KV-aware (recipe.md section 6): engine e holds K_e = kv_tokens_e // reserve rollouts, with
   `reserve` the KV tokens set aside per rollout. Admit up to K_e per engine (the engine with the
-  most free slots first), keep the rest in one global queue, and admit the next one the moment any rollout finishes, so that none sits idle
-  while another still has a backlog. The paper reserves each rollout's full length (prompt +
+  most free slots first), keep the rest in one global queue, and admit the next one the moment
+  any rollout finishes, so that none sits idle while another still has a backlog. The paper reserves each rollout's full length (prompt +
   response budget): then no engine can ever overflow, however long its rollouts grow.
   `reserve_tokens` (below) can instead reserve what rollouts were seen to hold: most end far
   below the budget, so the paper's rule leaves much of the cache empty and batches small.
