@@ -9,9 +9,9 @@ for all its turns, so each turn finds the previous turns in that engine's prefix
 - KV-aware (recipe.md section 6): engine e holds K_e = kv_tokens_e // reserve rollouts, with
   `reserve` the KV tokens set aside per rollout. Admit up to K_e per engine (the engine with the
   most free slots first), keep the rest in one global queue, and admit the next one the moment
-  any rollout finishes, so that none sits idle while another still has a backlog. The paper reserves each rollout's full length (prompt +
-  response budget): then no engine can ever overflow, however long its rollouts grow.
-  `reserve_tokens` (below) can instead reserve what rollouts were seen to hold: most end far
+  any rollout finishes, so that none sits idle while another still has a backlog. The paper
+  reserves each rollout's full length (prompt + response budget): then no engine can ever
+  overflow, however long its rollouts grow. `reserve_tokens` (below) can instead reserve what rollouts were seen to hold: most end far
   below the budget, so the paper's rule leaves much of the cache empty and batches small.
 - Static: every rollout is split evenly across engines up front (round-robin). Each engine's own
   scheduler then admits what fits in its KV cache now and, when the running rollouts outgrow it,
@@ -32,7 +32,8 @@ def reserve_tokens(mode: str, max_rollout_tokens: int, previous: Sequence[int] =
     previous batch's rollouts, the most until there is one. The rollouts running on an engine at
     any moment are each part way through, and over a full engine their sum stays near its mean;
     the headroom covers the spread (bench/scheduler_sim.py at 300K and 200K KV tokens: 1.15
-    overflowed 54-70 times a step, 1.3 once in six runs). An engine that overflows anyway preempts and recomputes, as without us.
+    overflowed 54-70 times a step, 1.3 once in six runs). An engine that overflows anyway
+    preempts and recomputes, as without us.
     """
     if mode not in ("max_length", "observed"):
         raise ValueError(f"unknown KV reserve {mode!r}; expected 'max_length' or 'observed'")
