@@ -11,8 +11,9 @@ for all its turns, so each turn finds the previous turns in that engine's prefix
   most free slots first), keep the rest in one global queue, and admit the next one the moment
   any rollout finishes, so that none sits idle while another still has a backlog. The paper
   reserves each rollout's full length (prompt + response budget): then no engine can ever
-  overflow, however long its rollouts grow. `reserve_tokens` (below) can instead reserve what rollouts were seen to hold: most end far
-  below the budget, so the paper's rule leaves much of the cache empty and batches small.
+  overflow, however long its rollouts grow. `reserve_tokens` (below) can instead reserve what
+  rollouts were seen to hold: most end far below the budget, so the paper's rule leaves much of
+  the cache empty and batches small.
 - Static: every rollout is split evenly across engines up front (round-robin). Each engine's own
   scheduler then admits what fits in its KV cache now and, when the running rollouts outgrow it,
   evicts some and recomputes them later.
