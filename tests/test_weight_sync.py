@@ -4,7 +4,7 @@ equal the trainer's; before the sync they do not (so the check can fail).
 Run: .venv/bin/python -m pytest tests/test_weight_sync.py -q   (about a minute)
 """
 
-
+import pytest
 
 from tasks.config import EngineConfig, OptimConfig
 from tasks.data.problems import generate_problems
@@ -16,13 +16,16 @@ from tasks.train.trainer import Trainer
 TOLERANCE = 2e-3  # fp32 on both sides; different kernels (vLLM CPU vs torch) differ ~1e-5
 
 
-def test_engine_log_probs_follow_the_trainer(model_dir):
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_engine_log_probs_follow_the_trainer(model_dir, eager):
+    """Also with torch.compile: a compiled graph must read the reloaded weights, not copies."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     texts = [p.question + "\n" + p.solution_code for p in generate_problems(8, [1, 2], seed=1)]
     samples = [Sample(ids, [1] * len(ids), advantage=1.0) for ids in tokenizer(texts)["input_ids"]]
-    engine = Engine(model_dir, EngineConfig(kv_cache_gib=0.05, max_model_len=256), seed=0).start()
+    cfg = EngineConfig(kv_cache_gib=0.05, max_model_len=256, enforce_eager=eager)
+    engine = Engine(model_dir, cfg, seed=0).start()
     trainer = Trainer(model_dir, OptimConfig(lr=1e-2, warmup_steps=0, zero_stage=1, micro_batch_size=4), 10)
     sequences = [s.token_ids for s in samples]
     assert max_logprob_gap(engine.prompt_logprobs(sequences), trainer.token_logprobs(samples)) < TOLERANCE
