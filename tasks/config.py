@@ -143,7 +143,7 @@ class EngineConfig(_Strict):
     block_size: int = 32  # the CPU default (128) caches too coarsely for short multi-turn prompts
     max_model_len: int = 2048
     # Eager on the tiny default: torch.compile (vLLM's default; the GPU configs use it) gives a
-    # CPU engine 1.2-1.4x the tokens/s (bench/rollout_bench.py), but a default run's rollouts wait
+    # CPU engine 1.2-1.8x the tokens/s (bench/rollout_bench.py), but a default run's rollouts wait
     # on tool calls and the agent loop, not the engine: 990 s compiled vs 915 s eager (LOG.md).
     enforce_eager: bool = True
     tensor_parallel_size: int = 1
