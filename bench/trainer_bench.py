@@ -51,11 +51,9 @@ class PlainTorch:
             mask = torch.tensor([s.loss_mask[1:] for s in chunk], dtype=torch.float32)
             tensors.append((ids, mask, torch.tensor([s.advantage for s in chunk])))
         num_tokens = int(sum(m.sum().item() for _, m, _ in tensors))
-        with torch.no_grad():
-            old = [token_logprobs(self.model(input_ids=ids).logits[:, :-1].float(), ids[:, 1:]) for ids, _, _ in tensors]
-        for (ids, mask, adv), old_logp in zip(tensors, old):
+        for ids, mask, adv in tensors:
             logp = token_logprobs(self.model(input_ids=ids).logits[:, :-1].float(), ids[:, 1:])
-            loss, _ = ppo_clip_loss(logp, old_logp, adv, mask, loss_cfg.eps_low, loss_cfg.eps_high,
+            loss, _ = ppo_clip_loss(logp, logp.detach(), adv, mask, loss_cfg.eps_low, loss_cfg.eps_high,
                                     loss_cfg.dual_clip, num_tokens=num_tokens)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)

@@ -14,7 +14,7 @@ from tasks.config import LossConfig, OptimConfig, TinyModelConfig
 from tasks.data.problems import generate_problems
 from tasks.rl.batch import Sample
 from tasks.train.tiny_model import build_tiny_model
-from tasks.train.trainer import Trainer, lr_multiplier
+from tasks.train.trainer import Trainer, by_length, lr_multiplier
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +50,24 @@ def test_log_probs_are_those_of_the_sampling_temperature(trainer):
     samples = _samples([0.0, 0.0])  # no advantage: the policy does not move between the calls
     hot, cold = (trainer.rl_step(samples, LossConfig(), temperature=t)["entropy"] for t in (2.0, 0.5))
     assert hot > trainer.rl_step(samples, LossConfig())["entropy"] > cold
+
+
+def test_micro_batches_group_samples_of_similar_length():
+    samples = [Sample([1] * n, [1] * n, 0.0) for n in (140, 520, 150, 210, 500, 145)]
+    ordered = by_length(samples)
+    assert [len(s.token_ids) for s in ordered] == [520, 500, 210, 150, 145, 140]
+    assert sorted(map(id, ordered)) == sorted(map(id, samples))  # nothing lost or repeated
+
+
+def test_update_does_not_depend_on_the_micro_batch_size(trainer, tmp_path):
+    """Samples of mixed lengths in one micro-batch or in four: the same loss, entropy and gradient."""
+    model_dir = trainer.save_pretrained(tmp_path / "start")
+    samples = [Sample(list(range(3, 3 + n)), [0] * 4 + [1] * (n - 4), a)
+               for n, a in ((30, 1.0), (9, -1.0), (21, 0.5), (12, -0.5), (27, 1.0), (8, -1.0), (16, 1.0))]
+    metrics = [Trainer(model_dir, OptimConfig(lr=1e-2, warmup_steps=0, zero_stage=1, micro_batch_size=size),
+                       total_steps=2).rl_step(samples, LossConfig(), temperature=0.6) for size in (2, 8)]
+    for key in ("loss", "entropy", "grad_norm", "tokens"):
+        assert metrics[0][key] == pytest.approx(metrics[1][key], rel=1e-5), key
 
 
 def test_lr_schedule_warms_up_from_the_first_step():

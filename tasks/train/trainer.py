@@ -86,6 +86,14 @@ def lr_multiplier(step: int, optim: OptimConfig, total_steps: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))  # cosine to 10%
 
 
+def by_length(samples: list[Sample]) -> list[Sample]:
+    """Longest first, so that each micro-batch pads to about its own samples' length, and the
+    largest one (the memory peak) comes first. The loss is a token sum over the whole batch, so
+    the grouping changes no gradient; in arrival order, one long rollout padded its micro-batch
+    (the tiny default's rollouts run from ~140 to ~520 tokens)."""
+    return sorted(samples, key=lambda sample: len(sample.token_ids), reverse=True)
+
+
 class Trainer:
     def __init__(self, model_dir: Path, optim: OptimConfig, total_steps: int, dtype: str = "float32", seed: int = 0,
                  threads: int = 1):
@@ -178,7 +186,7 @@ class Trainer:
             return self._rl_step(samples, loss_cfg, temperature)
 
     def _sft_step(self, samples: list[Sample]) -> dict:
-        batches = list(self._micro_batches(samples))
+        batches = list(self._micro_batches(by_length(samples)))
         num_tokens = self._batch_tokens(batches)
         self._accumulate(len(batches))
         self.engine.train()
@@ -192,23 +200,19 @@ class Trainer:
         return self._finish_step({"loss": total, "tokens": num_tokens})
 
     def _rl_step(self, samples: list[Sample], loss_cfg: LossConfig, temperature: float) -> dict:
-        batches = list(self._micro_batches(samples))
+        batches = list(self._micro_batches(by_length(samples)))
         num_tokens = self._batch_tokens(batches)
         self._accumulate(len(batches))
-        old_logps, entropy_sum = [], 0.0
-        self.engine.eval()
-        with torch.no_grad():
-            for ids, attention, target_mask, _ in batches:
-                logits = self._logits(ids, attention) / temperature
-                old_logps.append(token_logprobs(logits, ids[:, 1:]))
-                log_probs = torch.log_softmax(logits, dim=-1)
-                entropy = -(log_probs.exp() * log_probs).sum(-1)
-                entropy_sum += (entropy * target_mask).sum().item()
         self.engine.train()
         metrics = {"loss": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "dual_clip_frac": 0.0}
-        for (ids, attention, target_mask, advantages), old_logp in zip(batches, old_logps):
-            logp = token_logprobs(self._logits(ids, attention) / temperature, ids[:, 1:])
-            loss, clip = ppo_clip_loss(logp, old_logp, advantages, target_mask, loss_cfg.eps_low,
+        entropy_sum = 0.0
+        for ids, attention, target_mask, advantages in batches:
+            logits = self._logits(ids, attention) / temperature
+            logp = token_logprobs(logits, ids[:, 1:])
+            # The optimizer steps once, after the last micro-batch: until then the weights are the
+            # old policy's, so its log-probs are these very values, detached (a second forward
+            # pass recomputing them cost a third of the update).
+            loss, clip = ppo_clip_loss(logp, logp.detach(), advantages, target_mask, loss_cfg.eps_low,
                                        loss_cfg.eps_high, loss_cfg.dual_clip, num_tokens=num_tokens)
             self.engine.backward(loss * self._loss_scale(), scale_wrt_gas=False)
             self.engine.step()
@@ -216,6 +220,9 @@ class Trainer:
             share = target_mask.sum().item() / max(num_tokens, 1)
             for key, value in clip.items():
                 metrics[key] += value * share
+            with torch.no_grad():
+                log_probs = torch.log_softmax(logits, dim=-1)
+                entropy_sum += (-(log_probs.exp() * log_probs).sum(-1) * target_mask).sum().item()
         metrics["entropy"] = entropy_sum / max(num_tokens, 1)
         metrics["tokens"] = num_tokens
         return self._finish_step(metrics)
