@@ -37,7 +37,7 @@ def pipeline(config: str = str(default_config_path()), run_id: str | None = None
         rows.append(stage_row("curate", None, None, None, clock.lap()))
         base_dir, base_steps = base_model(cfg, ctx, splits["train"])
         with Runtime(cfg, base_dir, ctx.run_dir) as runtime:
-            before = evaluate(cfg, ctx, runtime, "base", heldout, benchmarks)
+            before = evaluate(cfg, ctx, runtime, "base", heldout, benchmarks) if cfg.eval.base else None
             rows.append(stage_row("base model", base_steps, None, before, clock.lap()))
             sft_dir, sft_steps = sft(cfg, ctx, base_dir)
             serve_policy(runtime, sft_dir)

@@ -94,6 +94,8 @@ def start_from_sft_of(source: Path, target: Path) -> None:
     (staging / "state").mkdir()
     for name in PRE_RL:
         record = source / "state" / f"{name}.json"
+        if name == "eval-base" and not record.exists():  # eval.base: false
+            continue
         (staging / "state" / record.name).write_text(record.read_text().replace(str(source), str(target)))
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)

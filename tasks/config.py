@@ -234,6 +234,9 @@ class EvalConfig(_Strict):
     max_turns: int = 30  # release capped at 5
     max_response_tokens: int = 30000
     n_problems: int | None = None  # None: the whole held-out split
+    # false: skip the base model (later, if wanted: rstar2 evaluate --run-id <id> --checkpoint base). The
+    # tiny default's is trained from scratch without the chat format, so scores 0 by design.
+    base: bool = True
 
 
 class RunConfig(_Strict):

@@ -77,6 +77,7 @@ def test_ablate_flow_runs_each_mode_from_one_sft_policy_and_reports(tmp_path) ->
     for run in (paper, off):
         assert sorted(p.name for p in (run / "steps" / "stage=stage1").iterdir()) == ["step=0", "step=1"]
         assert (run / "evaluations" / "checkpoint=sft").exists() and (run / "models" / "stage1").exists()
+        assert not (run / "evaluations" / "checkpoint=base").exists()  # the tiny default skips it
     text = Path(report).read_text()
     assert "| paper |" in text and "| off |" in text and "t-s0-off" in text
     assert "rstar2 ablate --config" in text and "--seeds 1 --modes paper off --name t " in text

@@ -38,7 +38,7 @@ def run(tmp_path_factory):
         "data.n_train": 48, "data.n_heldout": 6, "model.tiny.pretrain_steps": 2,
         "sft.n_examples": 96, "sft.epochs": 1,
         "rl.group_size": 4, "rl.stages": [STAGE, HARD],
-        "eval.k": 2, "eval.max_turns": 3, "eval.max_response_tokens": 128,
+        "eval.k": 2, "eval.max_turns": 3, "eval.max_response_tokens": 128, "eval.base": True,
         "data.benchmarks": [{"name": "mini", "format": "jsonl", "path": str(bench), "problem": "question"}],
     }
     with prefect_test_harness(server_startup_timeout=180):  # a new database migrates first
