@@ -177,7 +177,7 @@ class Trainer:
             return self._sft_step(samples)
 
     def rl_step(self, samples: list[Sample], loss_cfg: LossConfig, temperature: float = 1.0) -> dict:
-        """One PPO-clip update; old log-probs are recomputed here, before any parameter moves.
+        """One PPO-clip update; the old log-probs are the update pass's own (see _rl_step).
 
         `temperature` is the rollouts' sampling temperature: log-probs (and the entropy metric)
         are those of the distribution the tokens were drawn from. At 0.6 without it, the tiny
