@@ -124,10 +124,10 @@ class SftSourceConfig(_Source):
 class SftConfig(_Strict):
     sources: list[SftSourceConfig] = [SftSourceConfig(name="generated")]
     n_examples: int = 2000  # of the generated source
-    # Of the generated tool-call examples, the share whose first call fails and is corrected
-    # (the failed call is context, not a target). Without any, the tiny default's policy never
-    # retries after an error, so its positive trajectories carry no tool errors for RoC to filter.
-    # On the tiny default, 0.05 and 0.15 broke SFT instead (pass@1 0.051 / 0.016 vs 0.316; LOG.md).
+    # Of the generated tool-call examples, the share whose first call fails (half malformed, half
+    # a failing program) and is corrected; the failed call is context, not a target. Without
+    # them the tiny policy answers at once after a failed call, so its positives carry no tool
+    # errors for RoC to filter (0.1%); with 0.3, ~6% of stage-1 positives do (LOG.md, session 10).
     recovery_share: float = Field(0.0, ge=0.0, le=1.0)
     epochs: int = 3
     batch_size: int = 32

@@ -21,22 +21,25 @@ from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer
 
 
-def _sft_examples(cfg: RunConfig, ctx: RunContext | None = None) -> list[Segments]:
+def _sft_examples(cfg: RunConfig, ctx: RunContext | None = None, recovery: bool = True) -> list[Segments]:
     """Every configured SFT source's examples; per source, how many were used and set aside
-    (printed, and logged to the run's MLflow parent run when `ctx` is given)."""
+    (printed, and logged to the run's MLflow parent run when `ctx` is given). `recovery`: False
+    leaves out the generated examples that recover from a failed call."""
     examples: list[Segments] = []
     counts: dict[str, float] = {}
     for source in cfg.sft.sources:
         if source.format == "generated":
+            share = cfg.sft.recovery_share if recovery else 0.0
             found, rejected = build_sft_examples(cfg.sft.n_examples, cfg.data.levels, cfg.seed, cfg.rollout.tool_name,
-                                                 cfg.rollout.tool_spec, recovery_share=cfg.sft.recovery_share), []
+                                                 cfg.rollout.tool_spec, recovery_share=share), []
         else:
             found, rejected = chats_from_file(source.name, source.format, source.path, source.messages, source.tools,
                                               source.limit, cfg.rollout.tool_name, cfg.rollout.tool_spec)
         examples += found
         counts[f"sft/{source.name}/examples"], counts[f"sft/{source.name}/rejected"] = len(found), len(rejected)
         reasons = "; ".join(f"{r.row_id}: {r.reason}" for r in rejected[:5])
-        print(f"sft source {source.name}: {len(found)} examples, {len(rejected)} set aside{' (' + reasons + ')' if reasons else ''}")
+        aside = f" ({reasons})" if reasons else ""
+        print(f"sft source {source.name}: {len(found)} examples, {len(rejected)} set aside{aside}")
     if ctx is not None:
         ctx.tracker.log_metrics(ctx.mlflow_run_id, counts)
     return examples
@@ -66,7 +69,9 @@ def build_base_model(cfg: RunConfig, ctx: RunContext, train_path: Path, stage_ru
         return Path(cfg.model.path), 0
     tiny = cfg.model.tiny
     corpus = [p.question + "\n" + p.solution_code for p in load_problems(train_path)]
-    corpus += ["".join(text for text, _ in example) for example in _sft_examples(cfg)]
+    # The tokenizer learns the chat format from SFT examples, but not their broken calls and
+    # tracebacks: a base model that changed with sft.recovery_share would confound comparing it.
+    corpus += ["".join(text for text, _ in example) for example in _sft_examples(cfg, recovery=False)]
     model_dir = build_tiny_model(tiny, corpus, cfg.seed, ctx.run_dir / "models" / "base")
     if tiny.pretrain_steps:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)

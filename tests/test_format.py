@@ -148,8 +148,16 @@ def test_recovery_examples_answer_a_real_error_and_train_only_the_correction():
     for example in recovering:
         (_, _), (broken, broken_trained), (error, _), (fixed, fixed_trained), (_, _), (answer, _) = example
         assert not broken_trained and fixed_trained and broken != fixed
-        errors.add(error.split("\n</tool_response>")[0].rstrip().splitlines()[-1].split(":")[0])
+        assert parse_tool_call(fixed, TOOL).code
+        reply = error.split("<tool_response>\n")[1].split("\n</tool_response>")[0].rstrip()
+        try:
+            parse_tool_call(broken, TOOL)
+        except ToolCallError as exc:  # a malformed call, answered as the agent loop answers it
+            assert reply == str(exc)
+            errors.add("parse_error")
+        else:  # a call of a failing program, answered with its traceback
+            errors.add(reply.splitlines()[-1].split(":")[0])
         assert answer.startswith("<answer>")
-    assert errors <= {"NameError", "SyntaxError"} and len(errors) == 2
+    assert errors == {"parse_error", "NameError", "SyntaxError"}
     assert build_sft_examples(40, [1, 2, 3], seed=0, tool_name=TOOL) == build_sft_examples(40, [1, 2, 3], seed=0,
                                                                                            tool_name=TOOL)

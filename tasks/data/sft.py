@@ -23,8 +23,12 @@ from tasks.data.problems import generate_problems
 from tasks.data.sources import Rejected, SourceError, read_records
 from tasks.rollout.format import (
     IM_END,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    ToolCallError,
     answer_text,
     function_call_text,
+    parse_tool_call,
     prompt_text,
     tool_call_text,
     tool_response_text,
@@ -61,15 +65,35 @@ def broken_program(code: str, rng: random.Random) -> tuple[str, str]:
     raise ValueError(f"the {kind} variant of {code!r} did not fail")
 
 
+def malformed_call(tool_name: str, code: str, rng: random.Random) -> tuple[str, str]:
+    """A call of `code` with one character of its JSON dropped, the slip a sampling model makes
+    most (parse errors are ~80% of failed calls in stage-1 rollouts), and the parse error the
+    agent loop answers it with. A drop that still parses (a digit of the program) is drawn again."""
+    call = tool_call_text(tool_name, code)
+    for _ in range(100):
+        cut = rng.randrange(len(TOOL_CALL_OPEN), len(call) - len(TOOL_CALL_CLOSE))
+        broken = call[:cut] + call[cut + 1 :]
+        try:
+            parse_tool_call(broken, tool_name)
+        except ToolCallError as exc:
+            return broken, str(exc)
+    raise ValueError(f"no one-character drop of {call!r} fails to parse")
+
+
 def recovery_example(question: str, code: str, answer: str, tool_name: str, tool_spec: str,
                      rng: random.Random) -> Segments:
-    """A failing tool call, its error, the corrected call and the answer. The failing call is
-    context, not a target: the model learns to recover from an error, not to make one. This is
-    what gives RL positive trajectories that contain tool errors, the ones RoC filters out."""
-    broken, error = broken_program(code, rng)
+    """A failing tool call (half malformed, half a failing program), its error, the corrected
+    call and the answer. The failing call is context, not a target: the model learns to recover
+    from an error, not to make one. This is what gives RL positive trajectories that contain
+    tool errors, the ones RoC filters out."""
+    if rng.random() < 0.5:
+        first_call, error = malformed_call(tool_name, code, rng)
+    else:
+        broken, error = broken_program(code, rng)
+        first_call = tool_call_text(tool_name, broken)
     return [
         (prompt_text(f"Use the Python tool. {question}", tool_name, tool_spec), False),
-        (tool_call_text(tool_name, broken), False),
+        (first_call, False),
         (tool_response_text(error), False),
         (tool_call_text(tool_name, code), True),
         (tool_response_text(answer), False),
