@@ -20,10 +20,14 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.store.tables import evaluation_rows, stage_steps
+from tasks.store.tables import evaluation_rows, read_table, stage_steps, step_part
 
-# What the report plots per RL step: (steps-table metric, axis title).
+# The share of all positives the policy drew (kept or not) with a failed tool call: the policy's
+# own habit, which the paper's Fig. 4 follows; the kept share adds RoC's selection on top.
+DRAWN_SHARE = "drawn_pos_tool_error_share"
+# What the report plots per RL step: (metric of the steps table or DRAWN_SHARE, axis title).
 STEP_METRICS = {"reward_mean": "reward (mean)", "roc/kept_pos_tool_error_share": "tool-error share, kept positives",
+                DRAWN_SHARE: "tool-error share, all positives drawn",
                 "response_length_mean": "response length (tokens)"}
 PRE_RL = ("curate", "base", "sft", "eval-base", "eval-sft")  # what a later mode's run copies
 
@@ -48,24 +52,39 @@ def _stats(values: list[float]) -> tuple[float, float, int]:
     return statistics.fmean(finite), statistics.stdev(finite) if len(finite) > 1 else 0.0, len(finite)
 
 
+def positive_error_share(rollouts: list[dict]) -> float:
+    """Fraction of the positive (reward > 0) rollouts with a failed tool call; NaN without any."""
+    positives = [r for r in rollouts if r["reward"] > 0]
+    return statistics.fmean(r["tool_failures"] > 0 for r in positives) if positives else math.nan
+
+
+def _reduction(base: float, treat: float) -> float:
+    return (base - treat) / base if base and not math.isnan(base) else math.nan
+
+
 def compare(results: list[RunResult], baseline: str = "off", treatment: str = "paper") -> dict:
     """The report's numbers. Per mode: held-out pass@1 after SFT and after the last RL stage and
-    the gain (mean and std over seeds), and the tool-error share among kept positives averaged over
-    the RL steps that kept any positive (then mean and std over seeds). Then the treatment's
-    relative reduction of that share against the baseline (same seeds, same steps)."""
+    the gain (mean and std over seeds), and the tool-error shares among kept and among all drawn
+    positives, each averaged over the RL steps that had a positive (then mean and std over
+    seeds). Then the treatment's relative reduction of the kept share against the baseline (same
+    seeds, same steps): of the means, and per seed."""
     modes: dict[str, dict] = {}
     for mode in dict.fromkeys(r.mode for r in results):
         runs = [r for r in results if r.mode == mode]
         final = [list(r.pass_at_1.values())[-1] for r in runs]
         sft = [r.pass_at_1.get("sft", math.nan) for r in runs]
         share = [_stats(r.steps.get("roc/kept_pos_tool_error_share", []))[0] for r in runs]
+        drawn = [_stats(r.steps.get(DRAWN_SHARE, []))[0] for r in runs]
         modes[mode] = {"seeds": [r.seed for r in runs], "sft": _stats(sft), "final": _stats(final),
                        "gain": _stats([f - s for f, s in zip(final, sft)]), "error_share": _stats(share),
-                       "error_share_by_seed": share}
+                       "error_share_by_seed": share, "drawn_error_share": _stats(drawn)}
     out = {"modes": modes}
     if baseline in modes and treatment in modes:
-        base, treat = modes[baseline]["error_share"][0], modes[treatment]["error_share"][0]
-        out["relative_reduction"] = (base - treat) / base if base and not math.isnan(base) else math.nan
+        base, treat = modes[baseline], modes[treatment]
+        out["relative_reduction"] = _reduction(base["error_share"][0], treat["error_share"][0])
+        by_seed = dict(zip(base["seeds"], base["error_share_by_seed"]))
+        out["relative_reduction_by_seed"] = {seed: _reduction(by_seed[seed], share) for seed, share
+                                             in zip(treat["seeds"], treat["error_share_by_seed"]) if seed in by_seed}
     return out
 
 
@@ -108,7 +127,8 @@ def read_run(run_dir: Path, seed: int, mode: str, stage_names: list[str]) -> Run
                  for row in evaluation_rows(run_dir) if row["benchmark"] == "heldout"}
     result = RunResult(seed, mode, run_dir.name, pass_at_1, {m: [] for m in STEP_METRICS})
     for stage in stage_names:
-        for values in stage_steps(run_dir, stage).values():
+        for step, values in stage_steps(run_dir, stage).items():
+            values[DRAWN_SHARE] = positive_error_share(read_table(step_part(run_dir, "rollouts", stage, step)))
             for metric in STEP_METRICS:
                 result.steps[metric].append(values.get(metric, math.nan))
         result.stage_ends.append(len(result.steps["reward_mean"]))
@@ -170,20 +190,24 @@ def write_ablation_report(results: list[RunResult], out_dir: Path, command: str)
         "# RoC ablation", "",
         f"Command: `{command}`", "",
         f"Seeds {seeds}; mean ± std over seeds. Held-out pass@1 is avg@k at the config's eval settings; the "
-        "tool-error share is the fraction of kept positive trajectories with at least one failed tool call, "
-        "averaged over the RL steps that kept a positive.", "",
-        "| roc mode | pass@1 after SFT | pass@1 after RL | gain (points) | tool-error share of kept positives (%) |",
-        "|---|---|---|---|---|",
+        "tool-error share is the fraction of positive trajectories with at least one failed tool call, among "
+        "those RoC kept for training and among all the policy drew, averaged over the RL steps that had one.", "",
+        "| roc mode | pass@1 after SFT | pass@1 after RL | gain (points) | tool-error share of kept positives (%) "
+        "| of all positives drawn (%) |",
+        "|---|---|---|---|---|---|",
     ]
     for mode, m in numbers["modes"].items():
         gain = m["gain"]
         gain_cell = f"{100 * gain[0]:+.1f} ± {100 * gain[1]:.1f}" if gain[2] else "n/a"
         lines.append(f"| {mode} | {_cell(m['sft'])} | {_cell(m['final'])} | {gain_cell} | "
-                     f"{_cell(m['error_share'], percent=True)} |")
+                     f"{_cell(m['error_share'], percent=True)} | {_cell(m['drawn_error_share'], percent=True)} |")
     if "relative_reduction" in numbers:
         reduction = numbers["relative_reduction"]
+        by_seed = numbers["relative_reduction_by_seed"].values()
+        per_seed = " / ".join("n/a" if math.isnan(r) else f"{100 * r:.0f}%" for r in by_seed)
         lines += ["", "Tool-error share among kept positives, roc paper vs off: " + (
-            f"{100 * reduction:.0f}% lower (relative)." if not math.isnan(reduction)
+            f"{100 * reduction:.0f}% lower (relative); per seed {per_seed}, mean {_cell(_stats(list(by_seed)), True)}%."
+            if not math.isnan(reduction)
             else "not measurable (a mode kept no positive trajectory, or off kept no erring one).")]
     lines += ["", "Runs: " + ", ".join(f"`{r.run_id}`" for r in results), "", f"![curves]({plot.name})", ""]
     report = out_dir / "report.md"

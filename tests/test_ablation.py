@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.ablation import RunResult, compare, write_ablation_report
+from tasks.ablation import DRAWN_SHARE, RunResult, compare, positive_error_share, write_ablation_report
 
 NAN = math.nan
 
@@ -14,7 +14,7 @@ NAN = math.nan
 def _run(seed: int, mode: str, sft: float, final: float, shares: list[float]) -> RunResult:
     return RunResult(seed, mode, f"roc-s{seed}-{mode}", {"base": 0.0, "sft": sft, "stage1": final},
                      {"reward_mean": [0.1] * len(shares), "roc/kept_pos_tool_error_share": shares,
-                      "response_length_mean": [50.0] * len(shares)}, [len(shares)])
+                      DRAWN_SHARE: [0.4] * len(shares), "response_length_mean": [50.0] * len(shares)}, [len(shares)])
 
 
 RESULTS = [
@@ -32,6 +32,16 @@ def test_gain_and_error_share_are_averaged_per_seed_then_over_seeds() -> None:
     assert paper["error_share_by_seed"] == pytest.approx([0.1, 0.1])
     assert off["error_share"][0] == pytest.approx(0.25)
     assert numbers["relative_reduction"] == pytest.approx(0.6)
+    # per seed: 1 - 0.1 / 0.3 and 1 - 0.1 / 0.2
+    assert numbers["relative_reduction_by_seed"] == pytest.approx({0: 2 / 3, 1: 0.5})
+    assert paper["drawn_error_share"][:2] == pytest.approx((0.4, 0.0))
+
+
+def test_positive_error_share_counts_positives_with_any_failed_call() -> None:
+    rows = [{"reward": 1.0, "tool_failures": 0}, {"reward": 1.0, "tool_failures": 2},
+            {"reward": 0.0, "tool_failures": 1}, {"reward": 1.0, "tool_failures": 0}]
+    assert positive_error_share(rows) == pytest.approx(1 / 3)
+    assert math.isnan(positive_error_share(rows[2:3]))
 
 
 def test_a_mode_without_positives_reports_nan_not_zero(tmp_path) -> None:
@@ -40,16 +50,17 @@ def test_a_mode_without_positives_reports_nan_not_zero(tmp_path) -> None:
     assert math.isnan(numbers["relative_reduction"])
     report = write_ablation_report.fn([_run(0, "paper", 0.0, 0.0, [NAN]), _run(0, "off", 0.0, 0.0, [NAN])],
                                       tmp_path, "rstar2 ablate").read_text()
-    assert "| paper | 0.000 ± 0.000 | 0.000 ± 0.000 | +0.0 ± 0.0 | n/a |" in report and "not measurable" in report
+    assert "| paper | 0.000 ± 0.000 | 0.000 ± 0.000 | +0.0 ± 0.0 | n/a | 40.0 ± 0.0 |" in report
+    assert "not measurable" in report
 
 
 def test_report_has_a_row_per_mode_the_command_and_a_png(tmp_path) -> None:
     report = write_ablation_report.fn(RESULTS, tmp_path, "rstar2 ablate --seeds 2")
     text = report.read_text()
     assert "`rstar2 ablate --seeds 2`" in text and "![curves](curves.png)" in text
-    assert "| paper | 0.250 ± 0.071 | 0.500 ± 0.000 | +25.0 ± 7.1 | 10.0 ± 0.0 |" in text
-    assert "| off | 0.250 ± 0.071 | 0.400 ± 0.000 | +15.0 ± 7.1 | 25.0 ± 7.1 |" in text
-    assert "60% lower (relative)" in text
+    assert "| paper | 0.250 ± 0.071 | 0.500 ± 0.000 | +25.0 ± 7.1 | 10.0 ± 0.0 | 40.0 ± 0.0 |" in text
+    assert "| off | 0.250 ± 0.071 | 0.400 ± 0.000 | +15.0 ± 7.1 | 25.0 ± 7.1 | 40.0 ± 0.0 |" in text
+    assert "60% lower (relative); per seed 67% / 50%, mean 58.3 ± 11.8%." in text
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
