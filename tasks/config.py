@@ -127,7 +127,7 @@ class SftConfig(_Strict):
     # Of the generated tool-call examples, the share whose first call fails (half malformed, half
     # a failing program) and is corrected; the failed call is context, not a target. Without
     # them the tiny policy answers at once after a failed call, so its positives carry no tool
-    # errors for RoC to filter (0.1%); with 0.3, ~6% of stage-1 positives do (LOG.md, session 10).
+    # errors for RoC to filter (0.1%); with 0.3 (the tiny default), 7-9% do (LOG.md, session 10).
     recovery_share: float = Field(0.0, ge=0.0, le=1.0)
     epochs: int = 3
     batch_size: int = 32

@@ -6,9 +6,10 @@ the same rollout format, with the chat's own tools listed in the system prompt.
 
 As the paper prescribes, no math reasoning traces: an example either follows an explicit
 instruction to use the Python tool (the assistant writes the call, the tool answers, the
-assistant reports the printed value) or an instruction to report a given number in the answer
-format. Problems for tool-call examples are generated from a seed disjoint from the curated
-splits. Each example is a list of (text, trainable) segments in the rollout format.
+assistant reports the printed value; in a `recovery_share` of them a failed call and its error
+come first) or an instruction to report a given number in the answer format. Problems for
+tool-call examples are generated from a seed disjoint from the curated splits. Each example is a
+list of (text, trainable) segments in the rollout format.
 """
 
 from __future__ import annotations
