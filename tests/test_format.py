@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tasks.data.problems import generate_problems, solve, split_problems
+from tasks.data.problems import generate_problems, problem_statements, solve, split_problems
 from tasks.data.sft import build_sft_examples
 from tasks.rollout.agent import RolloutSpec, Trajectory, end_turn, render_tool_result
 from tasks.rollout.format import (
@@ -129,6 +129,12 @@ def test_problems_are_deterministic_and_answers_come_from_their_programs():
         assert int(problem.answer) >= 0 or problem.answer.startswith("-")
     train, heldout = split_problems(first, 10, seed=0)
     assert len(heldout) == 10 and not {p.problem_id for p in train} & {p.problem_id for p in heldout}
+
+
+def test_problem_statements_are_the_problems_unsolved():
+    statements = list(problem_statements(40, [1, 2, 3], seed=4))
+    problems = generate_problems(40, [1, 2, 3], seed=4)
+    assert statements == [(p.kind, p.level, p.question, p.solution_code) for p in problems]
 
 
 def test_sft_examples_train_only_on_assistant_text():

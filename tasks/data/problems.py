@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -102,24 +102,31 @@ def problem_id(question: str) -> str:
     return hashlib.sha1(question.encode()).hexdigest()[:12]
 
 
-def generate_problems(n: int, levels: list[int], seed: int) -> list[Problem]:
-    """n distinct problems, kinds and levels drawn uniformly, deterministic from the seed."""
+def problem_statements(n: int, levels: list[int], seed: int) -> Iterator[tuple[str, int, str, str]]:
+    """n distinct (kind, level, question, solution code), kinds and levels drawn uniformly,
+    deterministic from the seed; unsolved, for uses that need no answer (solving the counting
+    and sum problems is a Python loop of up to 10^5 steps)."""
     if not levels or any(level < 1 for level in levels):
         raise ValueError(f"levels must be a non-empty list of positive integers, got {levels}")
     rng = random.Random(seed)
-    problems: dict[str, Problem] = {}
+    seen: set[str] = set()
     attempts = 0
-    while len(problems) < n:
+    while len(seen) < n:
         attempts += 1
         if attempts > 20 * n + 100:
             raise ValueError(f"could not generate {n} distinct problems at levels {levels}")
         kind = rng.choice(sorted(KINDS))
         level = rng.choice(levels)
         question, code = KINDS[kind](rng, level)
-        pid = problem_id(question)
-        if pid not in problems:
-            problems[pid] = Problem(pid, kind, level, question, solve(kind, question, code), code)
-    return list(problems.values())
+        if question not in seen:
+            seen.add(question)
+            yield kind, level, question, code
+
+
+def generate_problems(n: int, levels: list[int], seed: int) -> list[Problem]:
+    """n distinct problems with their answers (see `problem_statements`)."""
+    return [Problem(problem_id(question), kind, level, question, solve(kind, question, code), code)
+            for kind, level, question, code in problem_statements(n, levels, seed)]
 
 
 def split_problems(problems: list[Problem], n_heldout: int, seed: int) -> tuple[list[Problem], list[Problem]]:
