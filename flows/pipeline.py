@@ -29,20 +29,20 @@ def pipeline(config: str = str(default_config_path()), run_id: str | None = None
     run id; the stages before it must have finished in that run."""
     cfg = load_config(config, overrides)
     ctx = start_pipeline_run(cfg, config, run_id)
-    clock, rows = Stopwatch(), []
+    clock, rows = Stopwatch(ctx.run_dir), []
     try:
         splits = curate(cfg.data, ctx)
         train, heldout = load_problems(splits["train"]), load_problems(splits["heldout"])
         benchmarks = load_benchmarks(cfg.data)
-        rows.append(stage_row("curate", None, None, None, clock.lap()))
+        rows.append(stage_row("curate", None, None, None, clock))
         base_dir, base_steps = base_model(cfg, ctx, splits["train"])
         with Runtime(cfg, base_dir, ctx.run_dir) as runtime:
             before = evaluate(cfg, ctx, runtime, "base", heldout, benchmarks) if cfg.eval.base else None
-            rows.append(stage_row("base model", base_steps, None, before, clock.lap()))
+            rows.append(stage_row("base model", base_steps, None, before, clock))
             sft_dir, sft_steps = sft(cfg, ctx, base_dir)
             serve_policy(runtime, sft_dir)
             after = evaluate(cfg, ctx, runtime, "sft", heldout, benchmarks)
-            rows.append(stage_row("sft", sft_steps, before, after, clock.lap()))
+            rows.append(stage_row("sft", sft_steps, before, after, clock))
             if cfg.data.consensus:
                 train = consensus(cfg, ctx, runtime, train)
             total_rl_steps = sum(stage.steps for stage in cfg.rl.stages)
@@ -50,7 +50,7 @@ def pipeline(config: str = str(default_config_path()), run_id: str | None = None
                 before = after
                 steps = rl_stage(cfg, ctx, runtime, stage, train, total_rl_steps)
                 after = evaluate(cfg, ctx, runtime, stage.name, heldout, benchmarks)
-                rows.append(stage_row(stage.name, steps, before, after, clock.lap()))
+                rows.append(stage_row(stage.name, steps, before, after, clock))
         publish_summary(ctx, rows, clock.total())
     except BaseException:
         end_run(ctx, ctx.mlflow_run_id, ok=False)

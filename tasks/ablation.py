@@ -20,7 +20,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.store.tables import evaluation_rows, read_table, stage_steps, step_part
+from tasks.store.tables import evaluation_rows, read_table, stage_steps, step_part, write_text
 
 # The share of all positives the policy drew (kept or not) with a failed tool call: the policy's
 # own habit, which the paper's Fig. 4 follows; the kept share adds RoC's selection on top.
@@ -210,9 +210,6 @@ def write_ablation_report(results: list[RunResult], out_dir: Path, command: str)
             if not math.isnan(reduction)
             else "not measurable (a mode kept no positive trajectory, or off kept no erring one).")]
     lines += ["", "Runs: " + ", ".join(f"`{r.run_id}`" for r in results), "", f"![curves]({plot.name})", ""]
-    report = out_dir / "report.md"
-    tmp = report.with_suffix(".md.tmp")
-    tmp.write_text("\n".join(lines))
-    tmp.replace(report)
+    report = write_text("\n".join(lines), out_dir / "report.md")
     print("\n".join(lines))
     return report

@@ -25,7 +25,15 @@ from tasks.config import RunConfig
 from tasks.rollout.metrics import rollout_metrics
 from tasks.rollouts import Rollouts
 from tasks.runtime import RunContext
-from tasks.store.tables import EVALUATIONS, evaluation_rows, partition, stage_steps, write_json, write_table
+from tasks.store.tables import (
+    EVALUATIONS,
+    evaluation_rows,
+    partition,
+    stage_steps,
+    write_json,
+    write_table,
+    write_text,
+)
 from tasks.tracking.mlflow_log import Tracker
 
 SUMMARY_COLUMNS = ["stage", "steps", "pass@1 before", "pass@1 after", "tool-call rate", "tool-error rate", "wall s"]
@@ -64,7 +72,7 @@ def start_pipeline_run(cfg: RunConfig, config_path: str, run_id: str | None) -> 
             print(f"run {run_id}: resuming in {run_dir}, MLflow run {mlflow_run_id} ({tracker.uri})")
             return RunContext(run_id, run_dir, mlflow_run_id, Path(cfg.output_dir), tags)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(config_json)
+    write_text(config_json, run_dir / "config.json")
     params = {"config_path": config_path, "git_commit": _git_commit(), "run_dir": str(run_dir)}
     params.update(_flatten(cfg.model_dump(mode="json")))
     mlflow_run_id = tracker.start_run(run_id, params, tags=tags)
@@ -204,9 +212,8 @@ def publish_summary(ctx: RunContext, rows: list[dict], wall_s: float) -> str:
     print(evaluations)
     markdown = (f"# Run {ctx.run_id}\n\nwall time {wall_s:.0f} s, outputs in `{ctx.run_dir}`\n\n{markdown}"
                 f"\n## Evaluations (avg@k pass@1)\n\n{evaluations}")
-    path = ctx.run_dir / "summary.md"
-    path.write_text(markdown)
-    (ctx.run_dir / "summary.json").write_text(json.dumps({"wall_s": wall_s, "stages": rows}, indent=2))
+    path = write_text(markdown, ctx.run_dir / "summary.md")
+    write_json({"wall_s": wall_s, "stages": rows}, ctx.run_dir / "summary.json")
     tracker = ctx.tracker
     tracker.log_artifact(ctx.mlflow_run_id, path)
     tracker.log_metrics(ctx.mlflow_run_id, {"wall_s": wall_s})
@@ -215,22 +222,29 @@ def publish_summary(ctx: RunContext, rows: list[dict], wall_s: float) -> str:
 
 
 class Stopwatch:
-    """Wall time per stage, for the summary table."""
+    """Wall time per stage for the summary table, summed over the attempts of a run (kept in
+    run_dir/state/wall.json): a resumed run's table shows what each stage cost, not the seconds
+    its second attempt spent skipping it. A stage's time counts from the end of the one before."""
 
-    def __init__(self):
-        self.started = self.last = time.perf_counter()
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / "state" / "wall.json"
+        self.spent: dict[str, float] = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.last = time.perf_counter()
 
-    def lap(self) -> float:
-        """Seconds since the previous lap (or the start)."""
+    def lap(self, stage: str) -> float:
+        """The stage's seconds over all attempts, this one's up to now included."""
         now = time.perf_counter()
-        elapsed, self.last = now - self.last, now
-        return elapsed
+        self.spent[stage] = self.spent.get(stage, 0.0) + now - self.last
+        self.last = now
+        write_json(self.spent, self.path)
+        return self.spent[stage]
 
     def total(self) -> float:
-        return time.perf_counter() - self.started
+        return sum(self.spent.values())
 
 
-def stage_row(stage: str, steps: int | None, before: dict | None, after: dict | None, wall_s: float) -> dict:
+def stage_row(stage: str, steps: int | None, before: dict | None, after: dict | None, clock: Stopwatch) -> dict:
+    wall_s = clock.lap(stage)
     return {
         "stage": stage, "steps": steps,
         "pass@1 before": before["pass_at_1"] if before else None,

@@ -91,3 +91,7 @@ def test_a_killed_run_resumes_to_the_same_tables_as_an_uninterrupted_one(tmp_pat
     assert histories["stage1"] == [0, 1, 2] and histories["hard"] == [0]
     summary = json.loads((b / "summary.json").read_text())
     assert [row["stage"] for row in summary["stages"]] == ["curate", "base model", "sft", "stage1", "hard"]
+    # the base model, built by the killed attempt and skipped by the second, keeps its build time
+    walls = {row["stage"]: row["wall s"] for row in summary["stages"]}
+    uninterrupted = {row["stage"]: row["wall s"] for row in json.loads((a / "summary.json").read_text())["stages"]}
+    assert walls["base model"] >= 0.5 * uninterrupted["base model"] > 1

@@ -1,13 +1,18 @@
-"""Parquet writes are atomic and the README's DuckDB query works on the rollout layout.
+"""Parquet, JSON and text writes are atomic, stage wall times survive a resume, and the README's
+DuckDB query works on the rollout layout.
 
 Run: .venv/bin/python -m pytest tests/test_store.py -q
 """
+
+import json
+import time
 
 import duckdb
 import pyarrow as pa
 import pytest
 
-from tasks.store.tables import PROBLEMS, STEPS, read_table, step_part, write_table
+from tasks.report import Stopwatch
+from tasks.store.tables import PROBLEMS, STEPS, read_table, step_part, write_json, write_table, write_text
 
 ROW = {"problem_id": "a", "kind": "arithmetic", "level": 1, "question": "Compute 1 + 1.", "answer": "2",
        "solution_code": "print(1 + 1)"}
@@ -37,3 +42,23 @@ def test_step_files_are_queryable_with_duckdb(tmp_path):
         "GROUP BY stage ORDER BY stage"
     ).fetchall()
     assert rows == [("stage1", 3, 2), ("stage2", 3, 2)]
+
+
+def test_json_write_failure_keeps_the_old_file_and_leaves_no_temp(tmp_path):
+    path = write_json({"a": 1}, tmp_path / "state.json")
+    with pytest.raises(TypeError):
+        write_text(None, path)  # fails mid-write
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_stage_wall_times_add_up_over_a_runs_attempts(tmp_path):
+    first = Stopwatch(tmp_path)
+    time.sleep(0.05)
+    base = first.lap("base model")
+    second = Stopwatch(tmp_path)  # the run resumed: the base model is skipped, quickly
+    assert second.lap("base model") >= base >= 0.05
+    time.sleep(0.05)
+    assert second.lap("sft") >= 0.05
+    assert second.total() == pytest.approx(second.spent["base model"] + second.spent["sft"])
+    assert Stopwatch(tmp_path).spent == second.spent

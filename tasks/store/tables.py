@@ -98,14 +98,22 @@ def write_table(rows: list[dict], schema: pa.Schema, path: Path) -> Path:
     return path
 
 
-def write_json(value, path: Path) -> Path:
-    """Write JSON atomically (temp file + rename), like write_table."""
+def write_text(text: str, path: Path) -> Path:
+    """Write text atomically (temp file + rename), like write_table."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(value, f, indent=1, default=str)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
+
+
+def write_json(value, path: Path) -> Path:
+    return write_text(json.dumps(value, indent=1, default=str), path)
 
 
 def read_table(path: Path) -> list[dict]:
