@@ -42,6 +42,7 @@ class RunResult:
     pass_at_1: dict[str, float]  # checkpoint -> held-out pass@1, in evaluation order
     steps: dict[str, list[float]] = field(default_factory=dict)  # metric -> value per RL step (NaN: none)
     stage_ends: list[int] = field(default_factory=list)  # cumulative RL steps after each stage
+    wall_s: float = math.nan  # the run's own stages (a later mode's run copies the SFT policy)
 
 
 def _stats(values: list[float]) -> tuple[float, float, int]:
@@ -132,6 +133,9 @@ def read_run(run_dir: Path, seed: int, mode: str, stage_names: list[str]) -> Run
             for metric in STEP_METRICS:
                 result.steps[metric].append(values.get(metric, math.nan))
         result.stage_ends.append(len(result.steps["reward_mean"]))
+    summary = run_dir / "summary.json"
+    if summary.exists():
+        result.wall_s = json.loads(summary.read_text())["wall_s"]
     return result
 
 
@@ -182,7 +186,8 @@ def _plot(results: list[RunResult], path: Path) -> Path:
 @task(cache_policy=NO_CACHE)
 def write_ablation_report(results: list[RunResult], out_dir: Path, command: str) -> Path:
     """report.md (a table per mode: pass@1 after SFT and after RL, the gain, the tool-error
-    share among kept positives; RoC's relative reduction) and curves.png, under out_dir."""
+    share among kept positives; RoC's relative reduction; a row per run with its pass@1 per
+    checkpoint and wall time) and curves.png, under out_dir."""
     numbers = compare(results)
     plot = _plot(results, out_dir / "curves.png")
     seeds = sorted({r.seed for r in results})
@@ -209,7 +214,10 @@ def write_ablation_report(results: list[RunResult], out_dir: Path, command: str)
             f"{100 * reduction:.0f}% lower (relative); per seed {per_seed}, mean {_cell(_stats(list(by_seed)), True)}%."
             if not math.isnan(reduction)
             else "not measurable (a mode kept no positive trajectory, or off kept no erring one).")]
-    lines += ["", "Runs: " + ", ".join(f"`{r.run_id}`" for r in results), "", f"![curves]({plot.name})", ""]
+    lines += ["", "| run | held-out pass@1 by checkpoint | wall (s) |", "|---|---|---|"]
+    lines += [f"| `{r.run_id}` | " + " -> ".join(f"{c} {v:.3f}" for c, v in r.pass_at_1.items())
+              + (" | n/a |" if math.isnan(r.wall_s) else f" | {r.wall_s:.0f} |") for r in results]
+    lines += ["", f"![curves]({plot.name})", ""]
     report = write_text("\n".join(lines), out_dir / "report.md")
     print("\n".join(lines))
     return report

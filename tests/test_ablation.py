@@ -61,6 +61,7 @@ def test_report_has_a_row_per_mode_the_command_and_a_png(tmp_path) -> None:
     assert "| paper | 0.250 ± 0.071 | 0.500 ± 0.000 | +25.0 ± 7.1 | 10.0 ± 0.0 | 40.0 ± 0.0 |" in text
     assert "| off | 0.250 ± 0.071 | 0.400 ± 0.000 | +15.0 ± 7.1 | 25.0 ± 7.1 | 40.0 ± 0.0 |" in text
     assert "60% lower (relative); per seed 67% / 50%, mean 58.3 ± 11.8%." in text
+    assert "| `roc-s1-off` | base 0.000 -> sft 0.300 -> stage1 0.400 | n/a |" in text
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -90,6 +91,6 @@ def test_ablate_flow_runs_each_mode_from_one_sft_policy_and_reports(tmp_path) ->
         assert (run / "evaluations" / "checkpoint=sft").exists() and (run / "models" / "stage1").exists()
         assert not (run / "evaluations" / "checkpoint=base").exists()  # the tiny default skips it
     text = Path(report).read_text()
-    assert "| paper |" in text and "| off |" in text and "t-s0-off" in text
+    assert "| paper |" in text and "| off |" in text and "| `t-s0-off` | sft " in text
     assert "rstar2 ablate --config" in text and "--seeds 1 --modes paper off --name t " in text
     assert (Path(report).parent / "curves.png").exists()
