@@ -21,7 +21,7 @@ from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer
 
 
-def _sft_examples(cfg: RunConfig, ctx: RunContext | None = None, recovery: bool = True) -> list[Segments]:
+def sft_examples(cfg: RunConfig, ctx: RunContext | None = None, recovery: bool = True) -> list[Segments]:
     """Every configured SFT source's examples; per source, how many were used and set aside
     (printed, and logged to the run's MLflow parent run when `ctx` is given). `recovery`: False
     leaves out the generated examples that recover from a failed call."""
@@ -71,7 +71,7 @@ def build_base_model(cfg: RunConfig, ctx: RunContext, train_path: Path, stage_ru
     corpus = [p.question + "\n" + p.solution_code for p in load_problems(train_path)]
     # The tokenizer learns the chat format from SFT examples, but not their broken calls and
     # tracebacks: a base model that changed with sft.recovery_share would confound comparing it.
-    corpus += ["".join(text for text, _ in example) for example in _sft_examples(cfg, recovery=False)]
+    corpus += ["".join(text for text, _ in example) for example in sft_examples(cfg, recovery=False)]
     model_dir = build_tiny_model(tiny, corpus, cfg.seed, ctx.run_dir / "models" / "base")
     if tiny.pretrain_steps:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -117,7 +117,7 @@ def train_sft(cfg: RunConfig, ctx: RunContext, base_dir: Path, stage_run_id: str
     """Non-reasoning SFT with the DeepSpeed trainer; returns the SFT model directory and steps."""
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     samples = []
-    for example in _sft_examples(cfg, ctx):
+    for example in sft_examples(cfg, ctx):
         ids, mask = tokenize_segments(tokenizer, example)
         if len(ids) <= cfg.sft.max_len:  # longer examples would be cut mid-format
             samples.append(Sample(ids, mask))

@@ -84,11 +84,11 @@ def test_the_generated_set_is_the_default_source() -> None:
 
 
 def test_the_base_tokenizer_corpus_leaves_out_recovery_examples() -> None:
-    from tasks.sft import _sft_examples
+    from tasks.sft import sft_examples
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml", {"sft.n_examples": 50})
     assert cfg.sft.recovery_share > 0
     # A recovering example has six segments: prompt, failed call, error, call, output, answer.
-    assert any(len(e) == 6 for e in _sft_examples(cfg))
-    corpus = _sft_examples(cfg, recovery=False)
+    assert any(len(e) == 6 for e in sft_examples(cfg))
+    corpus = sft_examples(cfg, recovery=False)
     assert len(corpus) == 50 and all(len(e) in (2, 4) for e in corpus)
