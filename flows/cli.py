@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     ablate.add_argument("--modes", nargs="+", default=["paper", "release", "off"], choices=["paper", "release", "off"])
     ablate.add_argument("--name", default="roc", help="runs <name>-s<seed>-<mode>, report outputs/ablations/<name>")
     ablate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    ablate.add_argument("--sft-from", default=None, metavar="NAME",
+                        help="start every run from ablation NAME's SFT policy of its seed (compare RL settings)")
     query = commands.add_parser("query", help="run SQL on the DuckDB views (dashboards/views.sql)")
     query.add_argument("sql", help='e.g. "SELECT stage, step, avg(reward) FROM rollouts GROUP BY ALL"')
     query.add_argument("--runs", default="outputs/runs/*", help="run folder or glob (default: every run)")
@@ -73,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "ablate":
         from flows.ablate import ablate
 
-        ablate(config=args.config, seeds=args.seeds, modes=args.modes, overrides=_overrides(args.set), name=args.name)
+        ablate(config=args.config, seeds=args.seeds, modes=args.modes, overrides=_overrides(args.set), name=args.name,
+               sft_from=args.sft_from)
         return
     from flows.pipeline import pipeline
 

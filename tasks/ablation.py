@@ -20,6 +20,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from tasks.config import RunConfig
 from tasks.store.tables import evaluation_rows, read_table, stage_steps, step_part, write_text
 
 # The share of all positives the policy drew (kept or not) with a failed tool call: the policy's
@@ -89,19 +90,26 @@ def compare(results: list[RunResult], baseline: str = "off", treatment: str = "p
     return out
 
 
-def ablation_command(config: str, seeds: int, modes: list[str], overrides: dict, name: str) -> str:
+def ablation_command(config: str, seeds: int, modes: list[str], overrides: dict, name: str,
+                     sft_from: str | None = None) -> str:
     """The `rstar2 ablate` command line that reproduces an ablation, for its report."""
     return shlex.join(["rstar2", "ablate", "--config", config, "--seeds", str(seeds), "--modes", *modes,
-                       "--name", name, *(f"--set={k}={json.dumps(v)}" for k, v in overrides.items())])
+                       "--name", name, *(["--sft-from", sft_from] if sft_from else []),
+                       *(f"--set={k}={json.dumps(v)}" for k, v in overrides.items())])
 
 
 @task(cache_policy=NO_CACHE)
-def start_from_sft_of(source: Path, target: Path) -> None:
+def start_from_sft_of(source: Path, target: Path, cfg: RunConfig) -> None:
     """Make run folder `target` continue where run `source` stands after SFT: its curated data,
     base and SFT policies, their evaluation rows and finished records (paths rewritten). Does
-    nothing when `target` already has a config (an ablation being resumed)."""
+    nothing when `target` already has a config (an ablation being resumed). `cfg` is the
+    target's config: it may differ from the source's in `rl` only."""
     if (target / "config.json").exists():
         return
+    theirs, mine = json.loads((source / "config.json").read_text()), json.loads(cfg.model_dump_json())
+    if differ := sorted(k for k in theirs.keys() | mine.keys() if k != "rl" and theirs.get(k) != mine.get(k)):
+        raise ValueError(f"run {source.name} cannot seed run {target.name}: their configs differ in {differ}, "
+                         "and only rl may (the runs share everything before RL)")
     staging = target.with_name(f".{target.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     for folder in ("data", "models/base", "models/sft"):
@@ -119,6 +127,16 @@ def start_from_sft_of(source: Path, target: Path) -> None:
         (staging / "state" / record.name).write_text(record.read_text().replace(str(source), str(target)))
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
+
+
+@task(cache_policy=NO_CACHE)
+def sft_run_of(runs_dir: Path, ablation: str, seed: int) -> Path:
+    """The run of ablation `ablation` (any mode) that trained seed `seed`'s SFT policy."""
+    for run_dir in sorted(runs_dir.glob(f"{ablation}-s{seed}-*")):
+        if (run_dir / "state" / "sft.json").exists():
+            return run_dir
+    raise ValueError(f"no run {ablation}-s{seed}-<mode> under {runs_dir} has finished SFT: run "
+                     f"`rstar2 ablate --name {ablation}` with {seed + 1} seed(s) first")
 
 
 @task(cache_policy=NO_CACHE)

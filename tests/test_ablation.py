@@ -67,7 +67,8 @@ def test_report_has_a_row_per_mode_the_command_and_a_png(tmp_path) -> None:
 
 def test_ablate_flow_runs_each_mode_from_one_sft_policy_and_reports(tmp_path) -> None:
     """Two modes, one seed, at a small size: the second mode's run starts from the first one's SFT
-    policy (not trained again) and the report compares both."""
+    policy (not trained again) and the report compares both; a second ablation with another RL
+    setting starts from the same SFT policy."""
     from prefect.testing.utilities import prefect_test_harness
 
     from flows.ablate import ablate
@@ -81,6 +82,9 @@ def test_ablate_flow_runs_each_mode_from_one_sft_policy_and_reports(tmp_path) ->
     with prefect_test_harness(server_startup_timeout=180):
         report = ablate(config=str(default_config_path()), seeds=1, modes=["paper", "off"], overrides=overrides,
                         name="t")
+        # another RL setting from the same SFT policy
+        paired = ablate(config=str(default_config_path()), seeds=1, modes=["paper"], name="u", sft_from="t",
+                        overrides={**overrides, "rl.optim.lr": 1e-5})
     paper, off = tmp_path / "runs" / "t-s0-paper", tmp_path / "runs" / "t-s0-off"
     sft = (paper / "models" / "sft" / "model.safetensors").read_bytes()
     assert (off / "models" / "sft" / "model.safetensors").read_bytes() == sft
@@ -94,3 +98,42 @@ def test_ablate_flow_runs_each_mode_from_one_sft_policy_and_reports(tmp_path) ->
     assert "| paper |" in text and "| off |" in text and "| `t-s0-off` | sft " in text
     assert "rstar2 ablate --config" in text and "--seeds 1 --modes paper off --name t " in text
     assert (Path(report).parent / "curves.png").exists()
+    assert (tmp_path / "runs" / "u-s0-paper" / "models" / "sft" / "model.safetensors").read_bytes() == sft
+    assert "--name u --sft-from t " in Path(paired).read_text()
+
+
+def _finished_sft_run(run_dir: Path, cfg) -> Path:
+    """A run folder as the pipeline leaves it after SFT (files with placeholder contents)."""
+    for folder in ("data", "models/base", "models/sft", "evaluations/checkpoint=sft/benchmark=heldout",
+                   "rollouts/stage=eval-sft/step=0"):
+        (run_dir / folder).mkdir(parents=True)
+        (run_dir / folder / "part-0.parquet").write_bytes(b"rows")
+    (run_dir / "state").mkdir()
+    for name in ("curate", "base", "sft", "eval-sft"):
+        (run_dir / "state" / f"{name}.json").write_text(json.dumps({"result": str(run_dir / "models" / name)}))
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    return run_dir
+
+
+def test_a_run_starts_from_another_runs_sft_policy_only_if_their_configs_differ_in_rl_alone(tmp_path) -> None:
+    from tasks.ablation import sft_run_of, start_from_sft_of
+    from tasks.config import default_config_path, load_config
+
+    def cfg(**overrides):
+        return load_config(default_config_path(), {"output_dir": str(tmp_path), **overrides})
+
+    runs = tmp_path / "runs"
+    source = _finished_sft_run(runs / "a-s0-paper", cfg())
+    assert sft_run_of.fn(runs, "a", 0) == source
+    with pytest.raises(ValueError, match="no run a-s1-<mode>"):
+        sft_run_of.fn(runs, "a", 1)
+
+    start_from_sft_of.fn(source, runs / "b-s0-paper", cfg(**{"rl.optim.lr": 1e-5, "rl.roc.mode": "off"}))
+    target = runs / "b-s0-paper"
+    assert (target / "models" / "sft" / "part-0.parquet").read_bytes() == b"rows"
+    assert json.loads((target / "state" / "sft.json").read_text())["result"] == str(target / "models" / "sft")
+    assert not (target / "config.json").exists()  # the pipeline writes its own
+
+    with pytest.raises(ValueError, match=r"differ in \['seed', 'sft'\]"):
+        start_from_sft_of.fn(source, runs / "c-s1-paper", cfg(seed=1, **{"sft.epochs": 2}))
+    assert not (runs / "c-s1-paper").exists()
