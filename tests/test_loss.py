@@ -105,6 +105,26 @@ def test_dual_clip_bounds_negative_advantage_loss():
     assert metrics["dual_clip_frac"] == 1.0
 
 
+def test_negative_weight_scales_only_the_negative_rollouts_loss_and_gradient():
+    logp_np, old_np, adv_np, mask_np = make_inputs(4)
+    old, adv, mask = torch.tensor(old_np), torch.tensor(adv_np), torch.tensor(mask_np)
+    negative = torch.tensor(adv_np < 0)[:, None]
+    per_weight = {}
+    for weight in (1.0, 0.25):
+        logp = torch.tensor(logp_np, requires_grad=True)
+        loss, metrics = ppo_clip_loss(logp, old, adv, mask, negative_weight=weight)
+        loss.backward()
+        per_weight[weight] = (loss.item(), logp.grad, metrics)
+    (loss_1, grad_1, metrics_1), (loss_q, grad_q, metrics_q) = per_weight[1.0], per_weight[0.25]
+    torch.testing.assert_close(grad_q, torch.where(negative, 0.25 * grad_1, grad_1))
+    assert (grad_1[negative.expand_as(grad_1)] != 0).any()  # the check above is not vacuous
+    # the loss splits the same way: positive part + weight x negative part
+    ref, _, _ = reference_loss_and_grad(logp_np, old_np, np.where(adv_np < 0, adv_np, 0.0), mask_np,
+                                        num_tokens=int(mask_np.sum()))
+    assert loss_q == pytest.approx((loss_1 - ref) + 0.25 * ref, rel=1e-10)
+    assert metrics_q == metrics_1  # where a clip binds does not depend on the weight
+
+
 def test_micro_batches_with_shared_num_tokens_add_up():
     logp_np, old_np, adv_np, mask_np = make_inputs(3)
     old, adv, mask = torch.tensor(old_np), torch.tensor(adv_np), torch.tensor(mask_np)

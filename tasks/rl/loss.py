@@ -44,6 +44,7 @@ def ppo_clip_loss(
     eps_high: float = 0.28,
     dual_clip: float = 3.0,
     num_tokens: int | None = None,
+    negative_weight: float = 1.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """Token-level PPO-clip loss with clip-higher and dual-clip, token-mean normalised.
 
@@ -51,6 +52,7 @@ def ppo_clip_loss(
 
         l     = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
         l     = min(l, -dual_clip * A)                     only when A < 0   (dual-clip)
+        l     = negative_weight * l                        only when A < 0
         loss  = sum_{masked tokens} l / num_tokens
 
     For A < 0 the dual-clip bound -dual_clip * A = dual_clip * |A| > 0 binds once r > dual_clip,
@@ -75,7 +77,7 @@ def ppo_clip_loss(
     clipped_ratio = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     per_token = torch.maximum(-ratio * advantages, -clipped_ratio * advantages)  # -min(rA, clip(r)A)
     negative = advantages < 0
-    per_token = torch.where(negative, torch.minimum(per_token, -dual_clip * advantages), per_token)
+    per_token = torch.where(negative, negative_weight * torch.minimum(per_token, -dual_clip * advantages), per_token)
     # where() rather than a multiply: a padded position can hold inf/nan and 0 * inf = nan
     per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
     loss = per_token.sum() / _normaliser(mask, num_tokens)

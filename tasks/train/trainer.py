@@ -128,7 +128,7 @@ class Trainer:
 
     # -- batching ---------------------------------------------------------------------------
 
-    def _micro_batches(self, samples: list[Sample]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _micro_batches(self, samples: list[Sample]) -> Iterator[tuple[torch.Tensor, ...]]:
         """(input_ids, attention_mask, target_mask, advantages), right-padded; targets shift by one."""
         size = self.optim.micro_batch_size
         for start in range(0, len(samples), size):
@@ -143,7 +143,7 @@ class Trainer:
                 attention[row, :n] = 1
                 target_mask[row, : n - 1] = torch.tensor(sample.loss_mask[1:n], dtype=torch.float32)
             advantages = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
-            yield (ids.to(self.device), attention.to(self.device), target_mask.to(self.device), advantages.to(self.device))
+            yield tuple(t.to(self.device) for t in (ids, attention, target_mask, advantages))
 
     def _logits(self, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         return self.engine(input_ids=ids, attention_mask=attention).logits[:, :-1].float()  # (B, T-1, V)
@@ -213,7 +213,8 @@ class Trainer:
             # old policy's, so its log-probs are these very values, detached (a second forward
             # pass recomputing them cost a third of the update).
             loss, clip = ppo_clip_loss(logp, logp.detach(), advantages, target_mask, loss_cfg.eps_low,
-                                       loss_cfg.eps_high, loss_cfg.dual_clip, num_tokens=num_tokens)
+                                       loss_cfg.eps_high, loss_cfg.dual_clip, num_tokens=num_tokens,
+                                       negative_weight=loss_cfg.negative_weight)
             self.engine.backward(loss * self._loss_scale(), scale_wrt_gas=False)
             self.engine.step()
             metrics["loss"] += loss.item()
