@@ -10,7 +10,8 @@ The RL objective (rStar2-Agent, arXiv 2508.20722) departs from textbook GRPO in 
 4. token-mean: the sum over every kept response token divided by the number of such tokens in
    the whole batch, not a per-sequence mean (long rollouts are not down-weighted).
 
-Tool-response tokens are removed by the mask, the same way as padding.
+Tool-response tokens are removed by the mask, the same way as padding. Not from the paper:
+`negative_weight` (default 1, the paper's loss) scales the tokens of negative-advantage rollouts.
 """
 
 import torch
