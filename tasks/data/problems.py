@@ -55,7 +55,9 @@ def _modular(rng: random.Random, level: int) -> tuple[str, str]:
 
 
 def _counting(rng: random.Random, level: int) -> tuple[str, str]:
-    n, a, b = rng.randint(100, 10 ** (level + 2)), rng.randint(2, 9), rng.randint(10, 19)
+    # The second divisor's leading digit varies: drawn from 10-19, every one began with the 1 that
+    # fills the prompt, and the tiny model copied the wrong second digit (LOG.md, session 13).
+    n, a, b = rng.randint(100, 10 ** (level + 2)), rng.randint(2, 9), rng.randint(11, 97)
     return (
         f"How many integers from 1 to {n} are divisible by {a} or {b}?",
         f"print(sum(1 for k in range(1, {n} + 1) if k % {a} == 0 or k % {b} == 0))",
