@@ -69,15 +69,3 @@ def test_epoch_batches_cover_each_sample_once_per_epoch():
     batches = list(epoch_batches(list(range(10)), batch_size=3, steps=7, seed=0))
     assert len(batches) == 7 and all(len(b) == 3 for b in batches)
     assert sorted(sum(batches[:3], [])) == sorted(set(sum(batches[:3], [])))  # 3 batches per epoch, no repeats
-
-
-def test_identifiers_are_not_cut_at_underscores():
-    from tasks.train.tiny_model import train_tokenizer
-
-    # The tool name cut at its underscores gave the model five alike "_" contexts to continue from,
-    # and it named tools that do not exist; frequent in the corpus, it becomes one token.
-    name = "execute_python_code_with_standard_io"
-    tokenizer = train_tokenizer(CORPUS + [tool_call_text(name, "print(7)")] * 50, CFG.vocab_size)
-    assert tokenizer.convert_ids_to_tokens(tokenizer(f'"{name}"', add_special_tokens=False)["input_ids"])[1] == name
-    pieces = tokenizer.convert_ids_to_tokens(tokenizer("x_1 = 2_0", add_special_tokens=False)["input_ids"])
-    assert pieces == ["x", "_", "1", "Ġ", "=", "Ġ", "2", "_", "0"]  # digits still one token each

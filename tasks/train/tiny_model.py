@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from tasks.config import TinyModelConfig
@@ -20,16 +20,10 @@ from tasks.rollout.format import END_OF_TEXT, IM_END, SPECIAL_TOKENS, TAG_TOKENS
 def train_tokenizer(corpus: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE())
     # One token per digit: copying a number into a program is then a per-digit copy, which a
-    # tiny model learns far more easily than arbitrary multi-digit merges. Identifiers keep their
-    # underscores (GPT-2's split cuts at them): cut into word, "_", word, "_", ..., the tool name
-    # made the model pick each word after a "_" from five alike contexts, and 5-97% of its calls
-    # named an unknown tool ("execute_python_code_with_with_io"; LOG.md, session 14).
-    words = Regex(r"'(?:[sdmt]|ll|ve|re)| ?[\p{L}_]+| ?\p{N}+| ?[^\s\p{L}\p{N}_]+|\s+(?!\S)|\s+")
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(words, behavior="isolated"),
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    # tiny model learns far more easily than arbitrary multi-digit merges.
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
