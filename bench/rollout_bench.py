@@ -18,6 +18,7 @@ model after a short tool-call SFT (so rollouts have mixed lengths and real tool 
 trained once and kept under `outputs/bench/rollout-model`.
 
     .venv/bin/python bench/rollout_bench.py          # ~6 min on 2 cores, first time ~8 min
+    .venv/bin/python bench/rollout_bench.py --new-tokens 384 --repeats 0   # part 1 alone, at the stage budget
 """
 
 import argparse
@@ -155,7 +156,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max-response", type=int, default=384)
     parser.add_argument("--kv-gib", type=float, default=0.004, help="KV cache per engine in part 2")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each policy in part 2; 0 skips part 2")
     args = parser.parse_args()
     configure_cpu_runtime()
     random.seed(0)
@@ -179,6 +180,8 @@ def main() -> None:
               f"eager {eager:6.0f} tok/s ({eager / hf:.1f}x), compiled {compiled:6.0f} tok/s "
               f"({compiled / hf:.1f}x)", flush=True)
 
+    if args.repeats == 0:
+        return
     untrained = model_dir.with_name(model_dir.name + "-base")
     for label, directory in (("tool-call SFT model: mixed lengths, real tool turns", model_dir),
                              ("untrained model: every turn runs to the budget", untrained)):

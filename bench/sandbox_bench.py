@@ -11,6 +11,9 @@ Every request's program ends with a bare expression holding its index, so each a
 request it belongs to: the bench checks that every request got exactly one answer, its own, and
 that the server ran exactly as many calls as were sent (from /stats).
 
+It first prints what the machine charges for page faults: a forked call is mostly faults, so the
+ratios depend on the machine (on the 2-core Firecracker VM of LOG.md a fault costs 2-11 us).
+
     .venv/bin/python bench/sandbox_bench.py                    # default: a few minutes, 2 cores
     .venv/bin/python bench/sandbox_bench.py --scale 0.25 --in-flight 1,64,1000
 """
@@ -18,6 +21,7 @@ that the server ran exactly as many calls as were sent (from /stats).
 import argparse
 import asyncio
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -135,6 +139,45 @@ def server_done(url: str) -> int:
         return json.load(response)["done"]
 
 
+def page_fault_costs(pages: int = 16384) -> dict:
+    """What this machine charges for the page faults a forked call is made of (us a fault; ms a
+    fork). Sandbox calls are mostly faults and the baseline's interpreter start-up much less so,
+    so the ratios move with these: natively a fault costs well under 1 us; under nested
+    virtualisation many times that."""
+    size = pages * mmap.PAGESIZE
+
+    def touch(buf: mmap.mmap) -> float:
+        started = time.perf_counter()
+        for offset in range(0, size, mmap.PAGESIZE):
+            buf[offset] = 1
+        return time.perf_counter() - started
+
+    buf = mmap.mmap(-1, size)
+    first = touch(buf)
+    loop = touch(buf)  # the same writes without faults: the Python loop's own cost
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        copied = touch(buf)
+        os.write(write, str(copied - touch(buf)).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    copy_on_write = float(os.read(read, 64))
+    os.close(read), os.close(write)
+    started = time.perf_counter()
+    for _ in range(100):
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+    fork_ms = (time.perf_counter() - started) * 10
+    with open("/proc/self/statm") as f:
+        rss_mb = int(f.read().split()[1]) * mmap.PAGESIZE >> 20
+    buf.close()
+    return {"first_touch_us": (first - loop) / pages * 1e6, "copy_on_write_us": copy_on_write / pages * 1e6,
+            "fork_ms": fork_ms, "rss_mb": rss_mb}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default="a,b,c")
@@ -151,6 +194,10 @@ def main() -> None:
     levels = [int(x) for x in args.in_flight.split(",")]
     cases = args.cases.split(",")
 
+    costs = page_fault_costs()
+    print(f"machine: a first-touch page fault {costs['first_touch_us']:.2f} us, a copy-on-write fault "
+          f"{costs['copy_on_write_us']:.2f} us, fork + exit of this "
+          f"process ({costs['rss_mb']} MB resident) {costs['fork_ms']:.2f} ms", flush=True)
     rows = []
     limits = Limits(timeout_s=30.0, cpu_s=10, memory_mb=1024)
     with SandboxService(workers=args.workers, limits=limits, max_queue=max(levels) + 64) as box:
