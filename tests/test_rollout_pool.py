@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from tasks.config import EngineConfig
 from tasks.data.problems import generate_problems
 from tasks.rollout.agent import RolloutSpec, ToolRunner, run_rollouts
-from tasks.rollout.pool import EnginePool
+from tasks.rollout.pool import EnginePool, engine_cores
 from tasks.sandbox.executor import Limits
 from tasks.sandbox.server import SandboxService
 
@@ -23,6 +23,15 @@ SPEC = RolloutSpec(max_turns=2, max_response_tokens=120, temperature=1.0, top_p=
                    tool_name="execute_python_code_with_standard_io", tool_response_chars=200, tool_spec="compact")
 # ~780 tokens of KV per engine: two ~330-token prompts fit, their growth does not (128 hidden, 2 layers, 1 KV head of 64, fp32: 1 KiB a token).
 ENGINES = EngineConfig(kv_cache_gib=0.00075, max_model_len=512, block_size=32, count=2)
+
+
+def test_engines_get_their_own_blocks_of_cores() -> None:
+    cores = [0, 1, 2, 3, 4, 5]
+    assert [engine_cores(i, 1, cores) for i in range(3)] == [[0], [1], [2]]
+    assert [engine_cores(i, 2, cores) for i in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    # More engines x threads than cores: they wrap around and share.
+    assert [engine_cores(i, 1, [4, 7]) for i in range(3)] == [[4], [7], [4]]
+    assert engine_cores(0, 8, [0, 1]) == [0, 1]
 
 
 @pytest.fixture(scope="module")

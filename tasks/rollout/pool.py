@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
@@ -39,12 +40,34 @@ def _unpack(packed: list[tuple[str, str, tuple, bytes]]) -> Iterable[tuple[str, 
         yield name, flat.view(getattr(torch, dtype)).reshape(shape)
 
 
+def engine_cores(index: int, threads: int, cores: list[int]) -> list[int]:
+    """The cores engine `index` binds its threads to: consecutive blocks of `threads` cores,
+    wrapping around (engines then share cores) when there are fewer cores than threads."""
+    threads = min(threads, len(cores))
+    return [cores[(index * threads + k) % len(cores)] for k in range(threads)]
+
+
+@contextmanager
+def _threads_bound(index: int, threads: int) -> Iterator[None]:
+    """While an engine starts: vLLM-CPU pins its OpenMP threads to this list and takes their
+    number from it. Left to "auto", every engine process pins the same cores. A list the user
+    set in the environment wins; ours is removed again, so that later engines (and the worker
+    processes this one spawns) do not inherit it."""
+    key = "VLLM_CPU_OMP_THREADS_BIND"
+    if key in os.environ:
+        yield
+        return
+    os.environ[key] = ",".join(map(str, engine_cores(index, threads, sorted(os.sched_getaffinity(0)))))
+    try:
+        yield
+    finally:
+        del os.environ[key]
+
+
 def _worker(conn: Connection, index: int, model_dir: str, cfg: dict, seed: int, dtype: str) -> None:
     """One engine process: serve commands, and step the engine whenever it has work."""
-    # vLLM-CPU pins its OpenMP threads; left to "auto", every engine process pins the same core.
-    cores = sorted(os.sched_getaffinity(0))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[index % len(cores)]))
-    engine = Engine(Path(model_dir), EngineConfig(**cfg), seed, dtype).start()
+    with _threads_bound(index, cfg["threads"]):
+        engine = Engine(Path(model_dir), EngineConfig(**cfg), seed, dtype).start()
     conn.send(("ready", engine.kv_tokens()))
     while True:
         # Block for a command only when there is nothing to generate.
@@ -82,7 +105,8 @@ class EnginePool:
 
     def start(self) -> EnginePool:
         if self.count == 1:
-            self.local = Engine(self.model_dir, self.cfg, self.seed, self.dtype).start()
+            with _threads_bound(0, self.cfg.threads) if self.cfg.threads > 1 else nullcontext():
+                self.local = Engine(self.model_dir, self.cfg, self.seed, self.dtype).start()
             self.kv_tokens = [self.local.kv_tokens()]
             return self
         context = mp.get_context("spawn")  # a fork would copy this process's torch and vLLM state
