@@ -140,8 +140,8 @@ def server_done(url: str) -> int:
 
 
 def page_fault_costs(pages: int = 16384) -> dict:
-    """What this machine charges for the page faults a forked call is made of (us a fault; ms a
-    fork). Sandbox calls are mostly faults and the baseline's interpreter start-up much less so,
+    """What this machine charges for the page work a forked call is made of (us a fault; ms a
+    fork). Two thirds of a small sandbox call's CPU is the kernel's, a quarter of the baseline's,
     so the ratios move with these: natively a fault costs well under 1 us; under nested
     virtualisation many times that."""
     size = pages * mmap.PAGESIZE
@@ -163,7 +163,8 @@ def page_fault_costs(pages: int = 16384) -> dict:
         os._exit(0)
     os.waitpid(pid, 0)
     copy_on_write = float(os.read(read, 64))
-    os.close(read), os.close(write)
+    os.close(read)
+    os.close(write)
     started = time.perf_counter()
     for _ in range(100):
         pid = os.fork()

@@ -105,6 +105,8 @@ class EnginePool:
 
     def start(self) -> EnginePool:
         if self.count == 1:
+            # In this process a binding pins the pipeline's own thread too; one engine thread
+            # keeps vLLM's choice, as the trainer and agent loop share these cores.
             with _threads_bound(0, self.cfg.threads) if self.cfg.threads > 1 else nullcontext():
                 self.local = Engine(self.model_dir, self.cfg, self.seed, self.dtype).start()
             self.kv_tokens = [self.local.kv_tokens()]
