@@ -42,7 +42,7 @@ def _unpack(packed: list[tuple[str, str, tuple, bytes]]) -> Iterable[tuple[str, 
 
 def engine_cores(index: int, threads: int, cores: list[int]) -> list[int]:
     """The cores engine `index` binds its threads to: consecutive blocks of `threads` cores,
-    wrapping around (engines then share cores) when there are fewer cores than threads."""
+    wrapping around (engines then share cores) when engines x threads exceed the cores."""
     threads = min(threads, len(cores))
     return [cores[(index * threads + k) % len(cores)] for k in range(threads)]
 
