@@ -7,7 +7,8 @@ Part 1, throughput: the same tiny model and the same prompts (problems in the ch
 Compared at equal cores: one engine vs `generate` with one torch thread, and on two cores two
 engine processes of one thread and one engine of two threads (`engine.threads`) vs `generate`
 with two threads; the engines both eager and compiled (torch.compile,
-`engine.enforce_eager: false`; its start-up is not timed).
+`engine.enforce_eager: false`; its start-up is not timed). `--rounds` rounds of all of it, each
+ratio taken within one round; the median and range over rounds close the part.
 
 Part 2, scheduling: multi-turn agent rollouts (tool calls run in a real sandbox service) on a
 pool of two engine processes whose KV caches hold only a few full-length rollouts each, once per
@@ -18,12 +19,13 @@ running rollouts from its KV cache, to recompute them later). The model for part
 model after a short tool-call SFT (so rollouts have mixed lengths and real tool turns); it is
 trained once and kept under `outputs/bench/rollout-model`.
 
-    .venv/bin/python bench/rollout_bench.py          # ~6 min on 2 cores, first time ~8 min
+    .venv/bin/python bench/rollout_bench.py          # ~8 min on 2 cores, first time ~10 min
     .venv/bin/python bench/rollout_bench.py --new-tokens 384 --repeats 0   # part 1 alone, at the stage budget
 """
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,7 +40,7 @@ from tasks.data.problems import generate_problems  # noqa: E402
 from tasks.data.sft import build_sft_examples, tokenize_segments  # noqa: E402
 from tasks.rl.batch import Sample  # noqa: E402
 from tasks.rollout.agent import RolloutSpec, ToolRunner, run_rollouts  # noqa: E402
-from tasks.rollout.engine import configure_cpu_runtime  # noqa: E402
+from tasks.rollout.engine import configure_cpu_runtime, weights_from_dir  # noqa: E402
 from tasks.rollout.format import TOOL_CALL_CLOSE, prompt_text  # noqa: E402
 from tasks.rollout.pool import EnginePool  # noqa: E402
 from tasks.sandbox.executor import Limits  # noqa: E402
@@ -100,18 +102,60 @@ def hf_tokens_per_s(model_dir: Path, batch: list[list[int]], new_tokens: int, th
 
 
 def pool_tokens_per_s(model_dir: Path, batch: list[list[int]], new_tokens: int, engines: int, threads: int,
-                      stop: list[int], eager: bool) -> float:
+                      stop: list[int], eager: bool, passes: int) -> tuple[float, list[float]]:
+    """The batch `passes` times through one pool, the weights pushed again between passes (as
+    after an RL update, which drops the prefix cache): a pass takes a few seconds, too short a
+    window on a shared VM, and the engine runs batch after batch in training anyway. Tokens/s over
+all passes, and of each."""
     cfg = EngineConfig(kv_cache_gib=0.25, max_model_len=1024, count=engines, threads=threads, enforce_eager=eager)
+    tokens, elapsed, each = 0, 0.0, []
     with EnginePool(model_dir, cfg, seed=0) as pool:
-        started = time.perf_counter()
-        for i, ids in enumerate(batch):
-            pool.add_request(i % engines, str(i), ids, new_tokens, 1.0, 1.0, stop)
-        tokens, done = 0, 0
-        while done < len(batch):
-            for _, turn in pool.poll(timeout=None):
-                tokens += len(turn.token_ids)
-                done += 1
-        return tokens / (time.perf_counter() - started)
+        for n in range(passes):
+            if n:
+                pool.load_weights(weights_from_dir(model_dir))
+            started, generated, done = time.perf_counter(), 0, 0
+            for i, ids in enumerate(batch):
+                pool.add_request(i % engines, f"{n}-{i}", ids, new_tokens, 1.0, 1.0, stop)
+            while done < len(batch):
+                for _, turn in pool.poll(timeout=None):
+                    generated += len(turn.token_ids)
+                    done += 1
+            seconds = time.perf_counter() - started
+            tokens, elapsed = tokens + generated, elapsed + seconds
+            each.append(generated / seconds)
+    return tokens / elapsed, each
+
+
+# (cores, engines): one engine per core of one thread, or one engine using all cores.
+LAYOUTS = ((1, 1), (2, 2), (2, 1))
+
+
+def throughput(model_dir: Path, batch: list[list[int]], new_tokens: int, stop: list[int], rounds: int,
+               passes: int) -> None:
+    """Pool vs HF in rounds, each ratio from one round's measurements of both. A shared VM's
+    speed drifts by tens of percent within minutes, so separate runs of the two sides gave ratios
+    that moved more than the difference being measured; the order alternates between rounds."""
+    ratios: dict[tuple[int, int, str], list[float]] = {}
+    for r in range(rounds):
+        for cores in (1, 2):
+            pools = [(engines, mode) for c, engines in LAYOUTS if c == cores for mode in ("eager", "compiled")]
+            measured, hf = {}, None
+            for side in ("hf", "pools") if r % 2 == 0 else ("pools", "hf"):
+                if side == "hf":
+                    hf = hf_tokens_per_s(model_dir, batch, new_tokens, cores, stop)
+                    continue
+                for engines, mode in pools:
+                    measured[engines, mode] = pool_tokens_per_s(model_dir, batch, new_tokens, engines,
+                                                                cores // engines, stop, mode == "eager", passes)
+            print(f"  round {r + 1}, {cores} core(s): HF generate {hf:.0f} tok/s", flush=True)
+            for (engines, mode), (tps, each) in measured.items():
+                print(f"    pool {engines}x{cores // engines} {mode:<8} {tps:6.0f} tok/s ({tps / hf:.1f}x); passes "
+                      + " / ".join(f"{x:.0f}" for x in each), flush=True)
+                ratios.setdefault((cores, engines, mode), []).append(tps / hf)
+    print("  pool / HF generate, median (min-max) over the rounds:")
+    for (cores, engines, mode), values in ratios.items():
+        print(f"    {cores} core(s), {engines} engine(s) x {cores // engines} thread(s), {mode:<8}: "
+              f"{statistics.median(values):.1f}x ({min(values):.1f}-{max(values):.1f}x)", flush=True)
 
 
 # label -> (policy, KV reserve)
@@ -152,6 +196,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3, help="part 1: rounds of every measurement")
+    parser.add_argument("--passes", type=int, default=4, help="part 1: batches through each pool, timed together")
     parser.add_argument("--sft-steps", type=int, default=60)
     parser.add_argument("--problems", type=int, default=16)
     parser.add_argument("--samples", type=int, default=4)
@@ -172,15 +218,8 @@ def main() -> None:
 
     params = sum(t.numel() for f in model_dir.glob("*.safetensors") for t in load_file(f).values())
     print(f"Part 1: {len(batch)} prompts x {args.new_tokens} sampled tokens, tiny model of {params / 1e6:.1f}M "
-          "parameters")
-    for cores in (1, 2):
-        hf = hf_tokens_per_s(model_dir, batch, args.new_tokens, cores, stop)
-        print(f"  {cores} core(s): HF generate {hf:6.0f} tok/s", flush=True)
-        for engines in sorted({cores, 1}, reverse=True):  # engines x threads = cores
-            eager, compiled = (pool_tokens_per_s(model_dir, batch, args.new_tokens, engines, cores // engines,
-                                                 stop, e) for e in (True, False))
-            print(f"    vLLM pool, {engines} engine(s) x {cores // engines} thread(s): eager {eager:6.0f} tok/s "
-                  f"({eager / hf:.1f}x), compiled {compiled:6.0f} tok/s ({compiled / hf:.1f}x)", flush=True)
+          f"parameters, {args.rounds} round(s)")
+    throughput(model_dir, batch, args.new_tokens, stop, args.rounds, args.passes)
 
     if args.repeats == 0:
         return
