@@ -10,11 +10,13 @@ About a minute on two cores.
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from tasks.config import EngineConfig
 from tasks.data.problems import generate_problems
 from tasks.rollout.agent import RolloutSpec, ToolRunner, run_rollouts
+from tasks.rollout.engine import available_cores
 from tasks.rollout.pool import EnginePool, engine_cores
 from tasks.sandbox.executor import Limits
 from tasks.sandbox.server import SandboxService
@@ -32,6 +34,15 @@ def test_engines_get_their_own_blocks_of_cores() -> None:
     # More engines x threads than cores: they wrap around and share.
     assert [engine_cores(i, 1, [4, 7]) for i in range(3)] == [[4], [7], [4]]
     assert engine_cores(0, 8, [0, 1]) == [0, 1]
+
+
+def test_an_engine_in_this_process_runs_engine_threads(model_dir) -> None:
+    previous = torch.get_num_threads()
+    try:
+        with EnginePool(model_dir, ENGINES.model_copy(update={"count": 1, "threads": 2}), seed=0) as pool:
+            assert pool.stats()[0]["threads"] == 2
+    finally:
+        torch._C.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +78,13 @@ def test_rollouts_complete_on_a_two_engine_pool(model_dir, services, policy) -> 
         assert times.preemptions == 0
     else:
         assert times.preemptions > 0, ([(t.stop_reason, len(t.response_ids), len(t.prompt_ids)) for t in trajectories], pool.kv_tokens)
+
+
+def test_each_engine_process_runs_on_its_own_cores(services) -> None:
+    pool, _ = services
+    for index, stats in enumerate(pool.stats()):
+        assert stats["threads"] == ENGINES.threads == 1
+        assert stats["cores"] == engine_cores(index, 1, available_cores()), (index, stats)
 
 
 def test_evaluation_samples_differ_at_temperature_0_6(model_dir, services) -> None:

