@@ -150,9 +150,10 @@ class EngineConfig(_Strict):
     max_num_seqs: int = 256
     gpu_memory_utilization: float = 0.85  # used on GPUs only
     count: int = Field(1, ge=1)  # engines; more than one run in worker processes
-    # CPU only: OpenMP threads per engine, each engine bound to its own block of cores. Two
-    # engines of one thread give only 0.7-1.35x one (most of a tiny model's step is vLLM's
-    # Python bookkeeping); one engine of two threads 1.06-1.4x two of one (bench/rollout_bench.py).
+    # CPU only: OpenMP threads per engine, each engine process bound to its own block of cores
+    # (an engine in the pipeline's process is not: that would pin the agent loop too). Two
+    # engines of one thread give 1.1-1.6x one, one engine of two threads 0.7-0.9x two of one:
+    # most of a tiny model's step is vLLM's Python bookkeeping (bench/rollout_bench.py).
     threads: int = Field(1, ge=1)
     # kv_aware: admit per engine only what its KV cache holds at full length (the paper's
     # scheduler, never released); static: split every rollout evenly up front (the baseline).
