@@ -106,7 +106,7 @@ def pool_tokens_per_s(model_dir: Path, batch: list[list[int]], new_tokens: int, 
     """The batch `passes` times through one pool, the weights pushed again between passes (as
     after an RL update, which drops the prefix cache): a pass takes a few seconds, too short a
     window on a shared VM, and the engine runs batch after batch in training anyway. Tokens/s over
-all passes, and of each."""
+    all passes, and of each."""
     cfg = EngineConfig(kv_cache_gib=0.25, max_model_len=1024, count=engines, threads=threads, enforce_eager=eager)
     tokens, elapsed, each = 0, 0.0, []
     with EnginePool(model_dir, cfg, seed=0) as pool:
