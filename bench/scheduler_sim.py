@@ -36,6 +36,7 @@ rollouts table) or by default from the latencies bench/sandbox_bench.py measured
 
     .venv/bin/python bench/scheduler_sim.py              # ~20 s
     .venv/bin/python bench/scheduler_sim.py --engines 8 --prompts 64 --kv-tokens 300000
+    .venv/bin/python bench/scheduler_sim.py --max-response 12288 --max-turns 15   # stages 2 and 3
 """
 
 import argparse
