@@ -160,10 +160,10 @@ class EngineConfig(_Strict):
     scheduler: Literal["kv_aware", "static"] = "kv_aware"
     # What kv_aware sets aside per rollout. max_length: prompt + the whole response budget (the
     # paper; no engine can overflow). observed (ours): kv_headroom x the mean size of the
-    # previous batch's rollouts. bench/scheduler_sim.py, 3 seeds, at 300K KV tokens an engine
-    # (Qwen3-14B on an 80 GB GPU): steps 30-34% shorter than static (the paper's rule: 5-14%),
-    # no preemptions; at 850K (a 192 GB GPU) 3-5% longer than static (the paper's: 19-22%). On
-    # the tiny CPU pool both lose to static (bench/rollout_bench.py; README).
+    # previous batch's rollouts. bench/scheduler_sim.py, 3 seeds, at 419K KV tokens an engine
+    # (Qwen3-14B in the paper config's 64 GiB): steps 27-32% shorter than static (the paper's
+    # rule: 7-14%), no preemptions; at 850K (a whole 192 GB GPU) 3-5% longer than static (the
+    # paper's: 19-22%). On the tiny CPU pool both lose to static (bench/rollout_bench.py; README).
     kv_reserve: Literal["max_length", "observed"] = "max_length"
     kv_headroom: float = Field(1.3, ge=1.0)
 
