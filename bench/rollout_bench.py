@@ -20,7 +20,7 @@ running rollouts from its KV cache, to recompute them later). The model for part
 model after a short tool-call SFT (so rollouts have mixed lengths and real tool turns); it is
 trained once and kept under `outputs/bench/rollout-model`.
 
-    .venv/bin/python bench/rollout_bench.py          # ~8 min on 2 cores, first time ~10 min
+    .venv/bin/python bench/rollout_bench.py          # ~12 min on 2 cores, first time ~14 min
     .venv/bin/python bench/rollout_bench.py --new-tokens 384 --repeats 0   # part 1 alone, at the stage budget
 """
 
