@@ -12,7 +12,7 @@ request it belongs to: the bench checks that every request got exactly one answe
 that the server ran exactly as many calls as were sent (from /stats).
 
 It first prints what the machine charges for page faults: a forked call is mostly faults, so the
-ratios depend on the machine (on the 2-core Firecracker VM of docs/benchmarks.md a fault costs 2-11 us).
+ratios depend on the machine (on the 2-core VM of docs/benchmarks.md a fault costs 2-11 us).
 
     .venv/bin/python bench/sandbox_bench.py                    # default: a few minutes, 2 cores
     .venv/bin/python bench/sandbox_bench.py --scale 0.25 --in-flight 1,64,1000
