@@ -21,9 +21,9 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from tasks.config import default_config_path, load_config
-from tasks.data.sft import tokenize_segments
-from tasks.rl.batch import Sample
-from tasks.sft import epoch_batches, sft_examples
+from tasks.train.sample import Sample
+from tasks.data.sft_examples import sft_examples, tokenize_segments
+from tasks.train.supervised import epoch_batches
 from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer, by_length
 
@@ -49,10 +49,10 @@ def main() -> None:
     cfg = load_config(default_config_path())
     threads = args.threads or cfg.trainer_threads
     with tempfile.TemporaryDirectory() as tmp:
-        corpus = ["".join(text for text, _ in example) for example in sft_examples(cfg, recovery=False)]
+        corpus = ["".join(text for text, _ in example) for example in sft_examples(cfg, recovery=False)[0]]
         model_dir = build_tiny_model(cfg.model.tiny, corpus, seed=0, out_dir=Path(tmp) / "model")
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        samples = [Sample(*tokenize_segments(tokenizer, example)) for example in sft_examples(cfg)]
+        samples = [Sample(*tokenize_segments(tokenizer, example)) for example in sft_examples(cfg)[0]]
         samples = [s for s in samples if len(s.token_ids) <= cfg.sft.max_len]
         batches = list(epoch_batches(samples, cfg.sft.batch_size, args.steps + 1, seed=0))
         trainers = {size: Trainer(model_dir, cfg.sft.optim.model_copy(update={"micro_batch_size": size}),

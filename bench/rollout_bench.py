@@ -38,9 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tasks.config import EngineConfig, OptimConfig, TinyModelConfig  # noqa: E402
 from tasks.data.problems import generate_problems  # noqa: E402
-from tasks.data.sft import build_sft_examples, tokenize_segments  # noqa: E402
-from tasks.rl.batch import Sample  # noqa: E402
-from tasks.rollout.agent import RolloutSpec, ToolRunner, run_rollouts  # noqa: E402
+from tasks.data.sft_examples import build_sft_examples, tokenize_segments  # noqa: E402
+from tasks.train.sample import Sample  # noqa: E402
+from tasks.rollout.agent import ToolRunner, run_rollouts  # noqa: E402
+from tasks.rollout.trajectory import RolloutSpec  # noqa: E402
 from tasks.rollout.engine import configure_cpu_runtime, weights_from_dir  # noqa: E402
 from tasks.rollout.format import TOOL_CALL_CLOSE, prompt_text  # noqa: E402
 from tasks.rollout.pool import EnginePool  # noqa: E402
@@ -181,7 +182,6 @@ def scheduling(model_dir: Path, args: argparse.Namespace) -> dict[str, list]:
     problems = [(p.problem_id, p.question) for p in generate_problems(args.problems, [1, 2, 3], seed=11)]
     cfg = EngineConfig(kv_cache_gib=args.kv_gib, max_model_len=1024, count=2)
     results: dict[str, list] = {label: [] for label in POLICIES}
-    sizes: list[int] = []  # the previous run's rollout sizes, for kv_observed
     with SandboxService(workers=2, limits=Limits(timeout_s=4.0)) as box, ToolRunner([box.url]) as tools, \
             EnginePool(model_dir, cfg, seed=0) as pool:
         longest = max(len(tokenizer(prompt_text(q, TOOL, "compact"))["input_ids"]) for _, q in problems)
@@ -191,9 +191,10 @@ def scheduling(model_dir: Path, args: argparse.Namespace) -> dict[str, list]:
         for repeat in range(args.repeats):
             for label in order if repeat % 2 == 0 else order[::-1]:
                 policy, reserve = POLICIES[label]
+                # kv_observed sizes its reserve from the pool's previous batch, whichever policy ran it.
+                pool.cfg = cfg.model_copy(update={"scheduler": policy, "kv_reserve": reserve})
                 trajectories, times = run_rollouts(pool, tools, tokenizer, problems, args.samples, spec,
-                                                   f"{label} #{repeat}", policy, reserve, sizes)
-                sizes = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
+                                                   f"{label} #{repeat}")
                 tokens = sum(len(t.response_ids) for t in trajectories)
                 turns = sum(t.turns for t in trajectories) / len(trajectories)
                 results[label].append((times, tokens, turns))

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from tasks.config import LossConfig, OptimConfig, default_config_path, load_config
 from tasks.data.problems import generate_problems
-from tasks.rl.batch import Sample
+from tasks.train.sample import Sample
 from tasks.rl.loss import ppo_clip_loss, token_logprobs
 from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer

@@ -8,8 +8,9 @@ from typing import Any
 from prefect import flow
 
 from flows.pipeline import pipeline
-from tasks.ablation import ablation_command, read_run, sft_run_of, start_from_sft_of, write_ablation_report
+from tasks.ablation import read_run, sft_run_of, start_from_sft_of, write_ablation_report
 from tasks.config import default_config_path, load_config
+from tasks.summary.mode_comparison import ablation_command
 
 
 @flow(name="rstar2-ablate", log_prints=True)

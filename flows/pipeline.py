@@ -16,9 +16,9 @@ from flows.rl import rl_stage
 from flows.sft import base_model, sft
 from tasks.config import default_config_path, load_config
 from tasks.curate import load_benchmarks, load_problems
-from tasks.report import Stopwatch, end_run, publish_summary, stage_row, start_pipeline_run
+from tasks.policy import serve_policy
+from tasks.report import end_run, publish_summary, stage_row, start_pipeline_run, start_stopwatch
 from tasks.resume import stages_to_run
-from tasks.rollouts import serve_policy
 from tasks.runtime import Runtime
 
 
@@ -29,7 +29,7 @@ def pipeline(config: str = str(default_config_path()), run_id: str | None = None
     run id; the stages before it must have finished in that run."""
     cfg = load_config(config, overrides)
     ctx = start_pipeline_run(cfg, config, run_id)
-    clock, rows = Stopwatch(ctx.run_dir), []
+    clock, rows = start_stopwatch(ctx), []
     try:
         splits = curate(cfg.data, ctx)
         train, heldout = load_problems(splits["train"]), load_problems(splits["heldout"])

@@ -25,7 +25,8 @@ from transformers import AutoTokenizer
 
 from tasks.config import OptimConfig, TinyModelConfig
 from tasks.data.problems import generate_problems
-from tasks.sft import epoch_batches, pretraining_phases
+from tasks.data.pretrain import pretraining_phases
+from tasks.train.supervised import epoch_batches
 from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer
 

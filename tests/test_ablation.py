@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.ablation import DRAWN_SHARE, RunResult, compare, positive_error_share, write_ablation_report
+from tasks.summary.mode_comparison import DRAWN_SHARE, RunResult, compare, positive_error_share, write_report
 
 NAN = math.nan
 
@@ -48,14 +48,14 @@ def test_a_mode_without_positives_reports_nan_not_zero(tmp_path) -> None:
     numbers = compare([_run(0, "paper", 0.0, 0.0, [NAN, NAN]), _run(0, "off", 0.0, 0.0, [NAN])])
     assert math.isnan(numbers["modes"]["paper"]["error_share"][0])
     assert math.isnan(numbers["relative_reduction"])
-    report = write_ablation_report.fn([_run(0, "paper", 0.0, 0.0, [NAN]), _run(0, "off", 0.0, 0.0, [NAN])],
+    report = write_report([_run(0, "paper", 0.0, 0.0, [NAN]), _run(0, "off", 0.0, 0.0, [NAN])],
                                       tmp_path, "rstar2 ablate").read_text()
     assert "| paper | 0.000 ± 0.000 | 0.000 ± 0.000 | +0.0 ± 0.0 | n/a | 40.0 ± 0.0 |" in report
     assert "not measurable" in report
 
 
 def test_report_has_a_row_per_mode_the_command_and_a_png(tmp_path) -> None:
-    report = write_ablation_report.fn(RESULTS, tmp_path, "rstar2 ablate --seeds 2")
+    report = write_report(RESULTS, tmp_path, "rstar2 ablate --seeds 2")
     text = report.read_text()
     assert "`rstar2 ablate --seeds 2`" in text and "![curves](curves.png)" in text
     assert "| paper | 0.250 ± 0.071 | 0.500 ± 0.000 | +25.0 ± 7.1 | 10.0 ± 0.0 | 40.0 ± 0.0 |" in text
@@ -116,7 +116,7 @@ def _finished_sft_run(run_dir: Path, cfg) -> Path:
 
 
 def test_a_run_starts_from_another_runs_sft_policy_only_if_their_configs_differ_in_rl_alone(tmp_path) -> None:
-    from tasks.ablation import sft_run_of, start_from_sft_of
+    from tasks.summary.mode_comparison import sft_run_of, start_from_sft_of
     from tasks.config import default_config_path, load_config
 
     def cfg(**overrides):
@@ -124,16 +124,16 @@ def test_a_run_starts_from_another_runs_sft_policy_only_if_their_configs_differ_
 
     runs = tmp_path / "runs"
     source = _finished_sft_run(runs / "a-s0-paper", cfg())
-    assert sft_run_of.fn(runs, "a", 0) == source
+    assert sft_run_of(runs, "a", 0) == source
     with pytest.raises(ValueError, match="no run a-s1-<mode>"):
-        sft_run_of.fn(runs, "a", 1)
+        sft_run_of(runs, "a", 1)
 
-    start_from_sft_of.fn(source, runs / "b-s0-paper", cfg(**{"rl.optim.lr": 1e-5, "rl.roc.mode": "off"}))
+    start_from_sft_of(source, runs / "b-s0-paper", cfg(**{"rl.optim.lr": 1e-5, "rl.roc.mode": "off"}))
     target = runs / "b-s0-paper"
     assert (target / "models" / "sft" / "part-0.parquet").read_bytes() == b"rows"
     assert json.loads((target / "state" / "sft.json").read_text())["result"] == str(target / "models" / "sft")
     assert not (target / "config.json").exists()  # the pipeline writes its own
 
     with pytest.raises(ValueError, match=r"differ in \['seed', 'sft'\]"):
-        start_from_sft_of.fn(source, runs / "c-s1-paper", cfg(seed=1, **{"sft.epochs": 2}))
+        start_from_sft_of(source, runs / "c-s1-paper", cfg(seed=1, **{"sft.epochs": 2}))
     assert not (runs / "c-s1-paper").exists()

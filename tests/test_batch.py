@@ -10,7 +10,7 @@ import random
 from tasks.config import RocConfig
 from tasks.rl.batch import select_training_batch, trajectory_score
 from tasks.rl.roc import p_err
-from tasks.rollout.agent import ToolCallRecord, Trajectory
+from tasks.rollout.trajectory import ToolCallRecord, Trajectory
 from tasks.sandbox.status import ToolStatus
 
 
@@ -52,6 +52,6 @@ def test_selection_keeps_g_per_problem_with_signal_and_masks_tool_tokens():
 
 
 def test_solved_attempts_counts_rewarded_attempts_per_problem():
-    from tasks.rl.batch import solved_attempts
+    from tasks.rollout.metrics import solved_attempts
 
     assert solved_attempts(["a", "a", "b", "a", "b"], [1.0, 0.0, 0.0, 1.0, 0.0]) == {"a": 2, "b": 0}

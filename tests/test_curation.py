@@ -11,7 +11,7 @@ import pytest
 from prefect.testing.utilities import prefect_test_harness
 
 from tasks.config import DataConfig, SourceConfig
-from tasks.data.curation import decontaminate, exact_duplicates, near_duplicates, parse_integer
+from tasks.data.filters import decontaminate, exact_duplicates, near_duplicates, parse_integer
 from tasks.data.sources import RawProblem, SourceError, load_source
 from tasks.store.tables import read_table
 
@@ -139,7 +139,7 @@ def prefect_api():
 
 
 def run_context(tmp_path: Path):
-    from tasks.runtime import RunContext
+    from tasks.store.run import RunContext
     from tasks.tracking.mlflow_log import Tracker
 
     out = tmp_path / "outputs"
@@ -150,8 +150,10 @@ def run_context(tmp_path: Path):
 def test_curate_flow_counts_every_filter(files, tmp_path, prefect_api) -> None:
     from flows.curate import curate
 
+    from tasks.tracking.mlflow_log import Tracker
+
     ctx = run_context(tmp_path)
-    tracker = ctx.tracker
+    tracker = Tracker(ctx.output_dir)
     paths = curate(data_config(files), ctx)
 
     counts = {row["filter"]: row["removed"] for row in read_table(paths["curation"])}
@@ -181,7 +183,7 @@ def test_missing_column_names_the_file_and_column(files, tmp_path) -> None:
 
 
 def test_unreadable_file_is_named_and_nothing_is_written(files, tmp_path) -> None:
-    from tasks.curate import curate_problems
+    from tasks.data.problem_sets import curate
 
     broken = tmp_path / "broken.parquet"
     broken.write_bytes(b"not a parquet file at all")
@@ -189,23 +191,22 @@ def test_unreadable_file_is_named_and_nothing_is_written(files, tmp_path) -> Non
                                                                           path=str(broken))]})
     run_dir = tmp_path / "run"
     with pytest.raises(SourceError, match=r"broken\.parquet: cannot read as parquet"):
-        curate_problems.fn(data, run_dir)
+        curate(data, run_dir)
     assert not (run_dir / "data").exists()
 
 
-def test_consensus_filter_keeps_labels_the_policy_reaches_m_times(files, tmp_path, prefect_api) -> None:
-    from tasks.curate import curate_problems, keep_consensus, load_problems
-    from tasks.rollout.agent import RolloutTimes, Trajectory
-    from tasks.rollouts import Rollouts
+def test_consensus_filter_keeps_labels_the_policy_reaches_m_times(files, tmp_path) -> None:
+    from tasks.data.problem_sets import apply_consensus, curate, load_problems
+    from tasks.rollout.trajectory import Rollouts, RolloutTimes, Trajectory
 
-    ctx = run_context(tmp_path)
-    paths = curate_problems.fn(data_config(files), ctx.run_dir)["paths"]
+    run_dir = tmp_path / "run"
+    paths = curate(data_config(files), run_dir)["paths"]
     train = load_problems(paths["train"])
     # 3 attempts per problem; problem i solved i times (capped at 3).
     trajectories = [Trajectory(p.problem_id, s, [1]) for p in train for s in range(3)]
     rollouts = Rollouts(train, trajectories, RolloutTimes())
     rollouts.rewards = [float(s < i) for i, _ in enumerate(train) for s in range(3)]
-    kept = keep_consensus.fn(ctx, rollouts, m=2)
+    kept, _ = apply_consensus(run_dir, rollouts, m=2)
     assert [p.problem_id for p in kept] == [p.problem_id for p in train[2:]]
     counts = read_table(paths["curation"])
     assert counts[-1] == {"filter": "consensus", "in": 4, "removed": 2, "kept": 2}

@@ -15,9 +15,10 @@ from transformers import AutoTokenizer
 
 from tasks.config import EngineConfig
 from tasks.data.problems import generate_problems
-from tasks.rollout.agent import RolloutSpec, ToolRunner, run_rollouts
+from tasks.rollout.agent import ToolRunner, run_rollouts
 from tasks.rollout.engine import available_cores
 from tasks.rollout.pool import EnginePool, engine_cores
+from tasks.rollout.trajectory import RolloutSpec
 from tasks.sandbox.executor import Limits
 from tasks.sandbox.server import SandboxService
 
@@ -59,9 +60,10 @@ def test_rollouts_complete_on_a_two_engine_pool(model_dir, services, policy) -> 
     problems = [(p.problem_id, p.question) for p in generate_problems(4, [1], seed=3)]
     # kv_observed: as if the previous batch's rollouts had held 200 tokens each.
     reserve, previous = ("observed", [200] * 8) if policy == "kv_observed" else ("max_length", [])
-    trajectories, times = run_rollouts(pool, tools, tokenizer, problems, 4, SPEC,
-                                       policy=policy.replace("kv_observed", "kv_aware"),
-                                       kv_reserve=reserve, previous_sizes=previous)
+    pool.cfg = pool.cfg.model_copy(update={"scheduler": policy.replace("kv_observed", "kv_aware"),
+                                           "kv_reserve": reserve})
+    pool.last_rollout_sizes = previous
+    trajectories, times = run_rollouts(pool, tools, tokenizer, problems, 4, SPEC)
     assert len(trajectories) == 16
     for traj in trajectories:
         assert traj.stop_reason, traj
@@ -90,10 +92,10 @@ def test_each_engine_process_runs_on_its_own_cores(services) -> None:
 def test_evaluation_samples_differ_at_temperature_0_6(model_dir, services) -> None:
     """avg@k needs k real samples: the release evaluated greedily, which makes avg@16 one sample."""
     from tasks.config import load_config
-    from tasks.rl_update import rollout_spec
+    from tasks.rollout.trajectory import rollout_spec
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
-    spec = rollout_spec(cfg, cfg.eval.max_turns, 48, cfg.eval.temperature)
+    spec = rollout_spec(cfg.rollout, cfg.eval.model_copy(update={"max_response_tokens": 48}))
     assert spec.temperature == 0.6
     pool, tools = services
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -11,7 +11,7 @@ import duckdb
 import pyarrow as pa
 import pytest
 
-from tasks.report import Stopwatch
+from tasks.summary.run_card import Stopwatch
 from tasks.store.tables import PROBLEMS, STEPS, read_table, step_part, write_json, write_table, write_text
 
 ROW = {"problem_id": "a", "kind": "arithmetic", "level": 1, "question": "Compute 1 + 1.", "answer": "2",

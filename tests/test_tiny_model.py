@@ -46,7 +46,7 @@ def test_tags_are_single_tokens_and_digits_split(tmp_path):
 
 def test_pretraining_starts_with_copy_drills_then_problems(tmp_path):
     from tasks.data.pretrain import copy_documents
-    from tasks.sft import pretraining_phases
+    from tasks.data.pretrain import pretraining_phases
 
     for document in copy_documents(50, seed=1):
         prompt, numbers, rest = document.split("\n")
@@ -64,7 +64,7 @@ def test_pretraining_starts_with_copy_drills_then_problems(tmp_path):
 
 
 def test_epoch_batches_cover_each_sample_once_per_epoch():
-    from tasks.sft import epoch_batches
+    from tasks.train.supervised import epoch_batches
 
     batches = list(epoch_batches(list(range(10)), batch_size=3, steps=7, seed=0))
     assert len(batches) == 7 and all(len(b) == 3 for b in batches)

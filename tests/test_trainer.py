@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from tasks.config import LossConfig, OptimConfig, TinyModelConfig
 from tasks.data.problems import generate_problems
-from tasks.rl.batch import Sample
+from tasks.train.sample import Sample
 from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer, by_length, lr_multiplier
 

@@ -8,7 +8,7 @@ import pytest
 
 from tasks.config import EngineConfig, OptimConfig
 from tasks.data.problems import generate_problems
-from tasks.rl.batch import Sample
+from tasks.train.sample import Sample
 from tasks.rollout.engine import Engine
 from tasks.rollout.metrics import max_logprob_gap
 from tasks.train.trainer import Trainer

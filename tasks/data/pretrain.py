@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import random
 
+from tasks.config import TinyModelConfig
 from tasks.data.problems import problem_statements
+from tasks.train.sample import Sample
 
 
 def copy_documents(n: int, seed: int) -> list[str]:
@@ -40,3 +42,19 @@ def pack_documents(tokenizer, documents: list[str], seq_len: int) -> list[list[i
     for ids in tokenizer(documents, add_special_tokens=False)["input_ids"]:  # one batched call: 2x faster
         stream += ids + separator
     return [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
+
+
+def pretraining_phases(tokenizer, tiny: TinyModelConfig, levels: list[int],
+                       seed: int) -> list[tuple[list[Sample], int]]:
+    """(packed samples, optimizer steps) per phase of the tiny model's pre-training: copy drills
+    first, so the copy mechanism forms, then problem documents."""
+    copy_steps = round(tiny.pretrain_steps * tiny.pretrain_copy_share)
+    phases = []
+    for documents, steps in ((copy_documents, copy_steps), (None, tiny.pretrain_steps - copy_steps)):
+        if not steps:
+            continue
+        n = steps * tiny.pretrain_batch_size * 8  # documents are far shorter than a sequence
+        texts = copy_documents(n, seed + 5) if documents else pretraining_documents(n, levels, seed + 2_000_003)
+        packed = pack_documents(tokenizer, texts, tiny.pretrain_seq_len)
+        phases.append(([Sample(ids, [1] * len(ids)) for ids in packed], steps))
+    return phases

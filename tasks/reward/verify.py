@@ -19,6 +19,8 @@ import re
 import threading
 from concurrent.futures.process import BrokenProcessPool
 
+from tasks.rollout.trajectory import Rollouts
+
 ANSWER_OPEN = "<answer>"
 ANSWER_CLOSE = "</answer>"
 # Answers longer than this are not sent to sympy: parsing a huge expression can take minutes,
@@ -294,3 +296,14 @@ class Verifier:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def score_rollouts(verifier: Verifier, rollouts: Rollouts) -> Rollouts:
+    """Set each trajectory's outcome reward, predicted answer and count of <answer> blocks (RoC
+    penalises more than one) on the rollouts, which are returned."""
+    labels = {p.problem_id: p.answer for p in rollouts.problems}
+    responses = [t.response for t in rollouts.trajectories]
+    rollouts.rewards = verifier.score(responses, [labels[t.problem_id] for t in rollouts.trajectories])
+    rollouts.predicted = [extract_answer(r) for r in responses]
+    rollouts.answer_blocks = [count_answer_blocks(r) for r in responses]
+    return rollouts

@@ -1,23 +1,28 @@
-"""From scored trajectories to the training batch: GRPO-RoC selection and advantages.
+"""An RL step's plain data: the problems it draws, the training batch GRPO-RoC selects from its
+scored trajectories (kept flags, advantages, samples), the difficulty filter's choice, and the
+step's metrics.
 
-Pure: trajectories and rewards in, kept flags, advantages and training samples out.
+Pure: no I/O; every random choice is seeded from (run seed, stage, step), so a rerun repeats it.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+
+from collections import Counter
 
 from tasks.config import RocConfig
+from tasks.data.problems import Problem
 from tasks.rl.roc import RocResult, TrajectoryScore, downsample, group_advantages
-from tasks.rollout.agent import Trajectory
+from tasks.rollout.metrics import rollout_metrics, solved_attempts
+from tasks.rollout.trajectory import Rollouts, Trajectory
+from tasks.train.sample import Sample
 
 
-@dataclass(frozen=True)
-class Sample:
-    token_ids: list[int]
-    loss_mask: list[int]  # per token of token_ids: 1 where the token is a training target
-    advantage: float = 0.0
+def step_problems(problems: list[Problem], n: int, seed: int, stage: str, step: int) -> list[Problem]:
+    """The step's problems: a draw that depends only on (seed, stage, step)."""
+    rng = random.Random(f"{seed}/{stage}/{step}")
+    return rng.sample(problems, min(n, len(problems)))
 
 
 def trajectory_score(traj: Trajectory, reward: float, answer_blocks: int) -> TrajectoryScore:
@@ -73,9 +78,32 @@ def select_training_batch(
     return TrainingBatch(samples, kept, advantages, result)
 
 
-def solved_attempts(problem_ids: list[str], rewards: list[float]) -> dict[str, int]:
-    """Per problem, how many of its attempts earned the reward (the difficulty filter's count)."""
-    solved: dict[str, int] = {}
-    for problem_id, reward in zip(problem_ids, rewards):
-        solved[problem_id] = solved.get(problem_id, 0) + int(reward > 0)
-    return solved
+
+def training_batch(rollouts: Rollouts, keep: int, roc: RocConfig, seed: int, stage: str, step: int) -> TrainingBatch:
+    """GRPO-RoC on a step's scored rollouts, its random choices seeded by (seed, stage, step)."""
+    scores = [trajectory_score(t, r, b)
+              for t, r, b in zip(rollouts.trajectories, rollouts.rewards, rollouts.answer_blocks)]
+    return select_training_batch(rollouts.trajectories, scores, keep, roc, random.Random(f"{seed}/{stage}/{step}/roc"))
+
+
+def keep_unsolved(attempts: Rollouts, k: int) -> tuple[list[Problem], dict[int, int]]:
+    """The difficulty filter: the problems the policy did not solve in all k of its (scored)
+    attempts, and how many problems it solved j of k times, for j = 0..k."""
+    solved = solved_attempts([t.problem_id for t in attempts.trajectories], attempts.rewards)
+    hard = [p for p in attempts.problems if solved.get(p.problem_id, 0) < k]
+    histogram = Counter(solved.get(p.problem_id, 0) for p in attempts.problems)
+    return hard, {j: histogram.get(j, 0) for j in range(k + 1)}
+
+
+def step_metrics(rollouts: Rollouts, batch: TrainingBatch, update: dict) -> dict[str, float]:
+    """Everything an RL step reports: the rollouts' rewards and tool use, RoC's selection, the
+    time each part took, and the update's own metrics."""
+    times = rollouts.times
+    metrics = rollout_metrics(rollouts.trajectories, rollouts.rewards)
+    metrics.update(batch.roc.metrics(prefix="roc/"))
+    metrics.update({"kept": sum(batch.kept), "dropped": len(batch.kept) - sum(batch.kept),
+                    "time_rollout_s": times.total_s, "time_tool_wait_s": times.tool_wait_s,
+                    "time_tool_exec_s": times.tool_exec_s, "engine_idle_fraction": times.engine_idle_fraction,
+                    "engine_preemptions": times.preemptions, "kv_reserve_tokens": times.kv_reserve_tokens})
+    metrics.update(update)
+    return metrics

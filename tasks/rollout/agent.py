@@ -16,9 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
@@ -36,43 +34,7 @@ from tasks.rollout.format import (
 )
 from tasks.sandbox.client import SandboxClient
 from tasks.sandbox.status import ToolResult, ToolStatus
-
-
-@dataclass(frozen=True)
-class RolloutSpec:
-    max_turns: int
-    max_response_tokens: int
-    temperature: float
-    top_p: float
-    tool_name: str
-    tool_response_chars: int
-    tool_spec: str = "schema"
-
-
-@dataclass
-class ToolCallRecord:
-    turn: int
-    status: ToolStatus
-    latency_s: float
-    code: str
-
-
-@dataclass
-class Trajectory:
-    problem_id: str
-    sample: int
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)  # 1 on generated tokens, 0 on tool tokens
-    response: str = ""  # decoded response, tool turns included
-    turns: int = 0  # assistant turns
-    tool_calls: list[ToolCallRecord] = field(default_factory=list)
-    stop_reason: str = ""  # answer | no_answer | max_turns | budget
-
-    def extend(self, ids: list[int], text: str, trainable: bool) -> None:
-        self.response_ids += ids
-        self.loss_mask += [int(trainable)] * len(ids)
-        self.response += text
+from tasks.rollout.trajectory import RolloutSpec, RolloutTimes, ToolCallRecord, Trajectory
 
 
 def render_tool_result(result: ToolResult, max_chars: int) -> str:
@@ -139,16 +101,6 @@ class ToolRunner:
         self.close()
 
 
-@dataclass
-class RolloutTimes:
-    total_s: float = 0.0
-    tool_wait_s: float = 0.0  # wall time no engine had work, waiting for tool results
-    tool_exec_s: float = 0.0  # summed sandbox latency of all calls
-    engine_idle_fraction: float = 0.0  # of the engines' time during the batch, spent idle
-    preemptions: int = 0  # rollouts evicted from an engine's KV cache (recomputed later)
-    kv_reserve_tokens: int = 0  # what the KV-aware scheduler set aside per rollout
-
-
 def run_rollouts(
     pool: EnginePool,
     tools: ToolRunner,
@@ -157,14 +109,11 @@ def run_rollouts(
     samples_per_problem: int,
     spec: RolloutSpec,
     desc: str = "rollouts",
-    policy: str = "kv_aware",
-    kv_reserve: str = "max_length",
-    previous_sizes: Sequence[int] = (),
-    kv_headroom: float = 1.3,
 ) -> tuple[list[Trajectory], RolloutTimes]:
     """Roll out `samples_per_problem` trajectories for each (problem_id, question) on the pool,
-    engines chosen by the scheduler `policy`, with the KV-aware policy's per-rollout reserve from
-    `kv_reserve`, the previous batch's rollout sizes and `kv_headroom` (tasks/rollout/scheduler.py)."""
+    engines chosen by the scheduler the pool's config names; the KV-aware scheduler's reserve per
+    rollout comes from the pool's config and the sizes of its previous batch
+    (tasks/rollout/scheduler.py)."""
     started = time.perf_counter()
     times = RolloutTimes()
     busy_before = pool.stats()
@@ -175,9 +124,10 @@ def run_rollouts(
         prompt_ids = tokenizer(prompt_text(question, spec.tool_name, spec.tool_spec), add_special_tokens=False)["input_ids"]
         trajectories += [Trajectory(problem_id, s, prompt_ids) for s in range(samples_per_problem)]
     longest = max((len(t.prompt_ids) for t in trajectories), default=0)
-    times.kv_reserve_tokens = reserve_tokens(kv_reserve, min(max_model_len, longest + spec.max_response_tokens),
-                                             previous_sizes, kv_headroom)
-    scheduler = make_scheduler(policy, pool.kv_tokens, times.kv_reserve_tokens, range(len(trajectories)))
+    cfg = pool.cfg
+    times.kv_reserve_tokens = reserve_tokens(cfg.kv_reserve, min(max_model_len, longest + spec.max_response_tokens),
+                                             pool.last_rollout_sizes, cfg.kv_headroom)
+    scheduler = make_scheduler(cfg.scheduler, pool.kv_tokens, times.kv_reserve_tokens, range(len(trajectories)))
     engine_of: dict[int, int] = {}
     generating: set[int] = set()
     pending_tools: dict[int, tuple[Future, float]] = {}
@@ -255,4 +205,5 @@ def run_rollouts(
     busy = sum(a["busy_s"] - b["busy_s"] for a, b in zip(busy_after, busy_before))
     times.engine_idle_fraction = max(0.0, 1 - busy / (times.total_s * pool.count)) if times.total_s else 0.0
     times.preemptions = sum(a["preemptions"] - b["preemptions"] for a, b in zip(busy_after, busy_before))
+    pool.last_rollout_sizes = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
     return trajectories, times

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tasks.rollout.agent import Trajectory
+from tasks.rollout.trajectory import Trajectory
 
 
 def max_logprob_gap(a: list[list[float]], b: list[list[float]]) -> float:
@@ -28,3 +28,12 @@ def rollout_metrics(trajectories: list[Trajectory], rewards: list[float]) -> dic
     }
     metrics.update({f"stop_{reason}": count / n for reason, count in stops.items()})
     return metrics
+
+
+def solved_attempts(problem_ids: list[str], rewards: list[float]) -> dict[str, int]:
+    """Per problem, how many of its attempts earned the reward (what the difficulty and consensus
+    filters count)."""
+    solved: dict[str, int] = {}
+    for problem_id, reward in zip(problem_ids, rewards):
+        solved[problem_id] = solved.get(problem_id, 0) + int(reward > 0)
+    return solved

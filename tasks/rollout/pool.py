@@ -81,6 +81,8 @@ class EnginePool:
         self.conns: list[Connection] = []
         self.processes: list[mp.Process] = []
         self.kv_tokens: list[int] = []
+        # Tokens per rollout of the last batch, of any kind: what cfg.kv_reserve "observed" sizes.
+        self.last_rollout_sizes: list[int] = []
         self._queued: list[tuple[int, FinishedTurn]] = []  # finished turns read while awaiting a reply
 
     @property

@@ -28,6 +28,11 @@ PROBLEMS = pa.schema(
     ]
 )
 
+# Curation: a row set aside by a filter (or as malformed), and the rows each filter removed.
+REJECTED = pa.schema([("row_id", pa.string()), ("source", pa.string()), ("stage", pa.string()),
+                      ("reason", pa.string())])
+CURATION = pa.schema([("filter", pa.string()), ("in", pa.int64()), ("removed", pa.int64()), ("kept", pa.int64())])
+
 # One row per trajectory; `kept` and `advantage` are set by GRPO-RoC (eval rows: kept false).
 ROLLOUTS = pa.schema(
     [
@@ -144,17 +149,18 @@ def stage_steps(run_dir: Path, stage: str) -> dict[int, dict[str, float]]:
     return dict(sorted(steps.items()))
 
 
-def rollout_rows(run_id: str, stage: str, step: int, trajectories, questions: dict[str, str],
-                 labels: dict[str, str], predicted: list[str | None], rewards: list[float],
-                 kept: list[bool] | None = None, advantages: list[float] | None = None) -> list[dict]:
-    """ROLLOUTS rows for trajectories (tasks.rollout.agent.Trajectory), in order."""
+def rollout_rows(run_id: str, stage: str, step: int, rollouts, kept: list[bool] | None = None,
+                 advantages: list[float] | None = None) -> list[dict]:
+    """ROLLOUTS rows for scored rollouts (tasks.rollout.trajectory.Rollouts), in order."""
+    questions = {p.problem_id: p.question for p in rollouts.problems}
+    labels = {p.problem_id: p.answer for p in rollouts.problems}
     rows = []
-    for i, traj in enumerate(trajectories):
+    for i, traj in enumerate(rollouts.trajectories):
         rows.append({
             "run_id": run_id, "stage": stage, "step": step,
             "problem_id": traj.problem_id, "sample": traj.sample,
             "question": questions[traj.problem_id], "label": labels[traj.problem_id],
-            "response": traj.response, "predicted": predicted[i], "reward": rewards[i],
+            "response": traj.response, "predicted": rollouts.predicted[i], "reward": rollouts.rewards[i],
             "kept": bool(kept[i]) if kept else False,
             "advantage": advantages[i] if advantages else 0.0,
             "prompt_tokens": len(traj.prompt_ids), "response_tokens": len(traj.response_ids),

@@ -66,6 +66,11 @@ class Tracker:
         if batch:
             self.client.log_batch(run_id, metrics=batch)
 
+    def log_step_once(self, run_id: str, metrics: dict[str, float], step: int) -> None:
+        """A step's metrics, unless the run has them already (a resumed step that reached MLflow)."""
+        if step not in self.metric_steps(run_id, "reward_mean"):
+            self.log_metrics(run_id, metrics, step)
+
     def log_artifact(self, run_id: str, path: str | Path, folder: str | None = None) -> None:
         self.client.log_artifact(run_id, str(path), folder)
 

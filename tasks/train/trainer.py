@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tasks.config import LossConfig, OptimConfig
-from tasks.rl.batch import Sample
+from tasks.train.sample import Sample
 from tasks.rl.loss import ppo_clip_loss, sft_loss, token_logprobs
 
 

@@ -71,7 +71,16 @@ class SourceConfig(_Source):
     id: str | None = None  # a column with stable row ids (default: the row number)
 
 
-class ConsensusConfig(_Strict):
+class RolloutBudget(_Strict):
+    """What one rollout may spend; shared by the RL stages, the consensus filter and evaluation.
+    `temperature` None samples at `rollout.temperature` (filled in when the run config loads)."""
+
+    max_turns: int = Field(ge=1)
+    max_response_tokens: int = Field(ge=1)
+    temperature: float | None = Field(None, ge=0)
+
+
+class ConsensusConfig(RolloutBudget):
     n: int = Field(8, ge=1)
     m: int = Field(1, ge=1)
     max_turns: int = 10
@@ -200,13 +209,11 @@ class LossConfig(_Strict):
     negative_weight: float = Field(1.0, ge=0.0, le=1.0)
 
 
-class StageConfig(_Strict):
+class StageConfig(RolloutBudget):
     # A folder and hive-partition name (runs/<id>/models/<name>, rollouts/stage=<name>/), next to
     # the base and sft policies.
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     steps: int
-    max_response_tokens: int
-    max_turns: int
     problems_per_step: int
     hard_only: bool = False  # keep only problems the current policy does not solve k of k
     difficulty_attempts: int = 8
@@ -236,8 +243,27 @@ class RLConfig(_Strict):
     def rollouts_per_problem(self) -> int:
         return self.group_size if self.roc.mode == "off" else 2 * self.group_size
 
+    def previous_stage(self, name: str) -> str | None:
+        names = [s.name for s in self.stages]
+        return names[names.index(name) - 1] if names.index(name) > 0 else None
 
-class EvalConfig(_Strict):
+    def stages_to_run(self, names: list[str] | None, finished: set[str]) -> list[StageConfig]:
+        """The stages to (re)run: `names` (every stage when None), in config order. A stage starts
+        from the policy its predecessor left, so every earlier stage not listed must be in
+        `finished`."""
+        known = [s.name for s in self.stages]
+        if names is None:
+            return list(self.stages)
+        if unknown := [n for n in names if n not in known]:
+            raise ValueError(f"stages {unknown} are not in the config's rl.stages {known}")
+        first = min(known.index(n) for n in names) if names else len(known)
+        if missing := [n for n in known[:first] if n not in finished]:
+            raise ValueError(f"the run has not finished stages {missing}, which come before {names}: "
+                             f"run them first (stages={missing + list(names)})")
+        return [s for s in self.stages if s.name in names]
+
+
+class EvalConfig(RolloutBudget):
     k: int = 16  # avg@k pass@1
     temperature: float = 0.6  # release evaluated greedily, which makes avg@16 one sample
     max_turns: int = 30  # release capped at 5
@@ -263,6 +289,14 @@ class RunConfig(_Strict):
     rollout: RolloutConfig = RolloutConfig()
     rl: RLConfig
     eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _budget_temperatures(self) -> RunConfig:
+        budgets = [*self.rl.stages, self.eval] + ([self.data.consensus] if self.data.consensus else [])
+        for budget in budgets:
+            if budget.temperature is None:
+                budget.temperature = self.rollout.temperature
+        return self
 
     @model_validator(mode="after")
     def _lengths_fit(self) -> RunConfig:
@@ -302,7 +336,7 @@ def load_config(path: str | Path, overrides: dict | None = None) -> RunConfig:
 
 
 def default_config_path() -> Path:
-    return Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+    return Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
 
 __all__ = ["RunConfig", "StageConfig", "ConfigError", "load_config", "default_config_path"]

@@ -8,7 +8,7 @@ failure included. Tests use the same object.
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, field
+import shutil
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -16,27 +16,13 @@ from transformers import AutoTokenizer
 from tasks.config import RunConfig
 from tasks.reward.verify import Verifier
 from tasks.rollout.agent import ToolRunner
+from tasks.rollout.metrics import max_logprob_gap
 from tasks.rollout.engine import weights_from_dir
 from tasks.rollout.pool import EnginePool
 from tasks.sandbox.executor import Limits
 from tasks.sandbox.server import SandboxService
+from tasks.train.sample import Sample
 from tasks.train.trainer import Trainer
-from tasks.tracking.mlflow_log import Tracker
-
-
-@dataclass
-class RunContext:
-    """Where a run writes, and its MLflow parent run: plain data, safe to pass to tasks."""
-
-    run_id: str
-    run_dir: Path
-    mlflow_run_id: str
-    output_dir: Path
-    tags: dict = field(default_factory=dict)  # MLflow tags every run of this pipeline run carries
-
-    @property
-    def tracker(self) -> Tracker:
-        return Tracker(self.output_dir)
 
 
 class Runtime:
@@ -48,8 +34,7 @@ class Runtime:
         self.engine: EnginePool | None = None
         self.verifier: Verifier | None = None
         self.trainer: Trainer | None = None
-        self.stages_trained: set[str] = set()  # RL stages this process has trained (or resumed)
-        self.rollout_sizes: list[int] = []  # tokens per rollout of the last batch, any kind (KV reserve)
+        self._stages_trained: set[str] = set()  # RL stages this process has trained (or resumed)
 
     def __enter__(self) -> Runtime:
         box = self.cfg.sandbox
@@ -92,3 +77,38 @@ class Runtime:
             self.trainer = Trainer(weights, self.cfg.rl.optim, total_steps, self.cfg.model.dtype, self.cfg.seed,
                                    self.cfg.trainer_threads)
         return self.trainer
+
+    def begin_stage(self, name: str) -> set[str]:
+        """Note that this process trains RL stage `name` now; returns the stages it trained before
+        (a stage after one of those continues from the trainer as it is, not from a checkpoint)."""
+        before = set(self._stages_trained)
+        self._stages_trained.add(name)
+        return before
+
+    def restore(self, directory: Path, tag: str | None = None, weights_only: bool = False) -> None:
+        """The trainer from a DeepSpeed checkpoint (the latest in `directory` without a tag), and
+        its weights pushed into the engines."""
+        self.trainer.load_checkpoint(directory, tag=tag, weights_only=weights_only)
+        self.engine.load_weights(self.trainer.named_weights())
+
+    def sync_weights(self, probe: list[Sample]) -> float | None:
+        """Push the trainer's weights into the running engines (no restart), then compare the
+        two views of the policy on the probe samples: the worst per-token log-prob gap over the
+        engines (every one must have the new weights); None without a probe."""
+        self.engine.load_weights(self.trainer.named_weights())
+        if not probe:
+            return None
+        trainer_view = self.trainer.token_logprobs(probe)
+        return max(max_logprob_gap(engine_view, trainer_view)
+                   for engine_view in self.engine.prompt_logprobs([s.token_ids for s in probe]))
+
+    def export_policy(self, final: Path) -> Path:
+        """The trainer's policy as a Hugging Face directory (tokenizer included), written beside
+        `final` and renamed into place, so a half-written export is never mistaken for one."""
+        partial = final.with_name(f".{final.name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        self.trainer.save_pretrained(partial)
+        self.tokenizer.save_pretrained(partial)
+        shutil.rmtree(final, ignore_errors=True)
+        partial.rename(final)
+        return final

@@ -20,6 +20,7 @@ import random
 import traceback
 from pathlib import Path
 
+from tasks.config import RunConfig
 from tasks.data.problems import generate_problems
 from tasks.data.sources import Rejected, SourceError, read_records
 from tasks.rollout.format import (
@@ -234,3 +235,25 @@ def chats_from_file(name: str, fmt: str, path, messages: str, tools: str | None,
         except (ValueError, TypeError) as exc:
             rejected.append(Rejected(f"{name}:{number}", name, "sft", str(exc)))
     return examples, rejected
+
+
+def sft_examples(cfg: RunConfig, recovery: bool = True) -> tuple[list[Segments], dict[str, float]]:
+    """Every configured SFT source's examples, and per source how many were used and set aside
+    (also printed, with the first reasons). `recovery`: False leaves out the generated examples
+    that recover from a failed call."""
+    examples: list[Segments] = []
+    counts: dict[str, float] = {}
+    for source in cfg.sft.sources:
+        if source.format == "generated":
+            share = cfg.sft.recovery_share if recovery else 0.0
+            found, rejected = build_sft_examples(cfg.sft.n_examples, cfg.data.levels, cfg.seed, cfg.rollout.tool_name,
+                                                 cfg.rollout.tool_spec, recovery_share=share), []
+        else:
+            found, rejected = chats_from_file(source.name, source.format, source.path, source.messages, source.tools,
+                                              source.limit, cfg.rollout.tool_name, cfg.rollout.tool_spec)
+        examples += found
+        counts[f"sft/{source.name}/examples"], counts[f"sft/{source.name}/rejected"] = len(found), len(rejected)
+        reasons = "; ".join(f"{r.row_id}: {r.reason}" for r in rejected[:5])
+        aside = f" ({reasons})" if reasons else ""
+        print(f"sft source {source.name}: {len(found)} examples, {len(rejected)} set aside{aside}")
+    return examples, counts

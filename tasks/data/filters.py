@@ -1,7 +1,7 @@
 """Curation filters (recipe.md section 1): pure functions over problem rows.
 
 Each filter takes the rows that survived the previous one and returns (kept, rejected), every
-rejection with its row id and why, so the curate task can report how many rows each removed.
+rejection with its row id and why, so curation can report how many rows each removed.
 Order: integer answers -> huge answers -> exact duplicates -> near duplicates -> n-gram
 decontamination against the evaluation sets.
 """

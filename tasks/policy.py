@@ -1,0 +1,46 @@
+"""Prefect tasks that run the current policy: serve a model's weights, roll out problems on the
+engines, score the rollouts, write them to the rollouts table (library: tasks/rollout/,
+tasks/reward/verify.py, tasks/store/tables.py). Shared by RL steps, filters and evaluation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.config import RolloutBudget
+from tasks.data.problems import Problem
+from tasks.reward.verify import score_rollouts
+from tasks.rollout.agent import run_rollouts
+from tasks.rollout.trajectory import Rollouts, rollout_spec
+from tasks.runtime import Runtime
+from tasks.store.tables import ROLLOUTS, rollout_rows, step_part, write_table
+
+
+@task(cache_policy=NO_CACHE)
+def serve_policy(runtime: Runtime, model_dir: Path) -> None:
+    """Load a model directory's weights into the running engines (no restart)."""
+    runtime.load_policy(model_dir)
+
+
+@task(cache_policy=NO_CACHE)
+def roll_out(runtime: Runtime, problems: list[Problem], samples: int, budget: RolloutBudget, desc: str) -> Rollouts:
+    """`samples` trajectories per problem within `budget`, on the engines the scheduler picks."""
+    pairs = [(p.problem_id, p.question) for p in problems]
+    spec = rollout_spec(runtime.cfg.rollout, budget)
+    trajectories, times = run_rollouts(runtime.engine, runtime.tools, runtime.tokenizer, pairs, samples, spec, desc)
+    return Rollouts(problems, trajectories, times)
+
+
+@task(cache_policy=NO_CACHE)
+def score(runtime: Runtime, rollouts: Rollouts) -> Rollouts:
+    """Outcome reward per trajectory (the boxed answer in the <answer> block vs the label)."""
+    return score_rollouts(runtime.verifier, rollouts)
+
+
+@task(cache_policy=NO_CACHE)
+def write_rollouts(run_id: str, run_dir: Path, stage: str, step: int, rollouts: Rollouts,
+                   kept: list[bool] | None = None, advantages: list[float] | None = None) -> Path:
+    rows = rollout_rows(run_id, stage, step, rollouts, kept, advantages)
+    return write_table(rows, ROLLOUTS, step_part(run_dir, "rollouts", stage, step))
