@@ -7,11 +7,7 @@ CONFIG    ?= configs/tiny.yaml
 STAMP     := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 export PREFECT_HOME ?= $(CURDIR)/outputs/prefect
-# Nothing leaves the machine: no telemetry, no hub look-ups.
-export MLFLOW_DISABLE_TELEMETRY := true
-export DO_NOT_TRACK := 1
-export HF_HUB_OFFLINE := 1
-export PREFECT_SERVER_ANALYTICS_ENABLED := false
+# No telemetry or hub look-ups: `rstar2` and the tests set tasks/config/environment.py's values.
 
 .PHONY: setup run test clean
 

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from tasks.config import default_config_path, load_config
 from tasks.train.sample import Sample
-from tasks.data.sft_examples import sft_examples, tokenize_segments
+from tasks.data.chat_examples import sft_examples, tokenize_segments
 from tasks.train.supervised import epoch_batches
 from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer, by_length

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tasks.config import EngineConfig, OptimConfig, TinyModelConfig  # noqa: E402
 from tasks.data.problems import generate_problems  # noqa: E402
-from tasks.data.sft_examples import build_sft_examples, tokenize_segments  # noqa: E402
+from tasks.data.chat_examples import build_sft_examples, tokenize_segments  # noqa: E402
 from tasks.train.sample import Sample  # noqa: E402
 from tasks.rollout.agent import ToolRunner, run_rollouts  # noqa: E402
 from tasks.rollout.trajectory import RolloutSpec  # noqa: E402

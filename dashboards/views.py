@@ -15,12 +15,17 @@ from pathlib import Path
 
 import duckdb
 
+from tasks.store.tables import PARTITIONS, read_parquet_sql
+
 VIEWS_SQL = Path(__file__).with_name("views.sql")
 
 
 def connect(runs: str | Path) -> duckdb.DuckDBPyConnection:
     db = duckdb.connect()
-    script = VIEWS_SQL.read_text().replace("{runs}", str(runs).replace("'", "''"))
+    script = VIEWS_SQL.read_text()
+    quoted = str(runs).replace("'", "''")
+    for table in PARTITIONS:
+        script = script.replace("{" + table + "}", read_parquet_sql(quoted, table))
     code = "\n".join(line for line in script.splitlines() if not line.lstrip().startswith("--"))
     for statement in (s.strip() for s in code.split(";")):
         if not statement:

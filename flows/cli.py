@@ -10,6 +10,8 @@ from pathlib import Path
 
 import yaml
 
+from tasks.config.environment import keep_local
+
 
 def _overrides(pairs: list[str]) -> dict:
     overrides = {}
@@ -22,10 +24,7 @@ def _overrides(pairs: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # Nothing leaves the machine: no telemetry from the local Prefect server or MLflow.
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
+    keep_local()
     # The first start of the local Prefect API migrates a new database: on a busy 2-core machine
     # that took longer than Prefect's default 20 s and the run failed before it began.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")

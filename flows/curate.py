@@ -8,7 +8,7 @@ from tasks.curate import curate_problems, keep_consensus, record_curation, selec
 from tasks.data.problems import Problem
 from tasks.policy import roll_out, score
 from tasks.runtime import Runtime
-from tasks.store.run import RunContext
+from tasks.store.run_folder import RunContext
 
 
 @flow(name="curate", log_prints=True)

@@ -13,7 +13,7 @@ from tasks.policy import roll_out, score, write_rollouts
 from tasks.report import end_run, reopen_run, summarize_eval
 from tasks.resume import finished, saved_policy
 from tasks.runtime import Runtime
-from tasks.store.run import RunContext
+from tasks.store.run_folder import RunContext
 
 
 @flow(name="evaluate", log_prints=True, validate_parameters=False)

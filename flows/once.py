@@ -8,7 +8,7 @@ from typing import Any
 
 from tasks.report import end_run, start_stage_run
 from tasks.resume import finished, mark_finished
-from tasks.store.run import RunContext
+from tasks.store.run_folder import RunContext
 
 
 def run_once(ctx: RunContext, name: str, work: Callable[[str], Any], mlflow_stage: str | None = None,

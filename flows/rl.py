@@ -21,7 +21,7 @@ from tasks.grpo import (
 from tasks.policy import roll_out, score, write_rollouts
 from tasks.report import publish_stage_summary, track_progress
 from tasks.runtime import Runtime
-from tasks.store.run import RunContext
+from tasks.store.run_folder import RunContext
 
 
 @flow(name="rl-step", log_prints=True, validate_parameters=False)

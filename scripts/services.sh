@@ -15,7 +15,7 @@ MLFLOW_PORT=${MLFLOW_PORT:-5000}
 export PREFECT_HOME=${PREFECT_HOME:-$PWD/outputs/prefect}
 export PREFECT_API_URL=http://127.0.0.1:$PREFECT_PORT/api
 # Nothing leaves the machine; one thread per process on small machines.
-export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 MLFLOW_DISABLE_TELEMETRY=true HF_HUB_OFFLINE=1
+eval "$("$VENV/bin/python" -m tasks.config.environment)"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 running() { [ -f "$STATE/$1.pid" ] && kill -0 "$(cat "$STATE/$1.pid")" 2>/dev/null; }

@@ -12,7 +12,7 @@ from tasks.config import DataConfig
 from tasks.data import problem_sets
 from tasks.data.problems import Problem
 from tasks.rollout.trajectory import Rollouts
-from tasks.store.run import RunContext
+from tasks.store.run_folder import RunContext
 from tasks.tracking.mlflow_log import Tracker
 
 

@@ -1,6 +1,6 @@
 """Prefect tasks of an RL stage after the rollouts are scored: GRPO-RoC selection, the policy
 update, checkpoint and weight sync, the step's record, the difficulty filter and resuming
-(library: tasks/rl/batch.py, tasks/runtime/, tasks/store/run.py)."""
+(library: tasks/rl/batch.py, tasks/runtime/, tasks/store/run_folder.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tasks.rl import batch as rl_batch
 from tasks.rl.batch import TrainingBatch
 from tasks.rollout.trajectory import Rollouts
 from tasks.runtime import Runtime
-from tasks.store.run import RunContext, checkpoint_tag, prune_checkpoints, steps_done
+from tasks.store.run_folder import RunContext, checkpoint_tag, prune_checkpoints, steps_done
 from tasks.store.tables import STEPS, read_table, step_part, write_table
 from tasks.tracking.mlflow_log import Tracker
 

@@ -1,5 +1,5 @@
 """Prefect tasks for the run record: MLflow runs, evaluation summaries, the report card
-(library: tasks/tracking/runs.py, tasks/summary/run_card.py)."""
+(library: tasks/tracking/mlflow_log.py, tasks/summary/run_card.py)."""
 
 from __future__ import annotations
 
@@ -17,26 +17,26 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.config import RunConfig
 from tasks.rollout.trajectory import Rollouts
-from tasks.store.run import RunContext
+from tasks.store.run_folder import RunContext
 from tasks.store.tables import EVALUATIONS, partition, stage_steps, write_json, write_table, write_text
 from tasks.summary import run_card
-from tasks.tracking import runs
+from tasks.tracking import mlflow_log
 from tasks.tracking.mlflow_log import Tracker
 
 
 @task(cache_policy=NO_CACHE)
 def start_pipeline_run(cfg: RunConfig, config_path: str, run_id: str | None) -> RunContext:
-    return runs.start_pipeline_run(cfg, config_path, run_id)
+    return mlflow_log.start_pipeline_run(cfg, config_path, run_id)
 
 
 @task(cache_policy=NO_CACHE)
 def reopen_run(output_dir: str, run_id: str, eval_overrides: dict | None) -> tuple[RunConfig, RunContext]:
-    return runs.reopen_run(output_dir, run_id, eval_overrides)
+    return mlflow_log.reopen_run(output_dir, run_id, eval_overrides)
 
 
 @task(cache_policy=NO_CACHE)
 def start_stage_run(ctx: RunContext, stage: str, params: dict) -> str:
-    return runs.start_stage_run(ctx, stage, params)
+    return mlflow_log.start_stage_run(ctx, stage, params)
 
 
 @task(cache_policy=NO_CACHE)

@@ -139,7 +139,7 @@ def prefect_api():
 
 
 def run_context(tmp_path: Path):
-    from tasks.store.run import RunContext
+    from tasks.store.run_folder import RunContext
     from tasks.tracking.mlflow_log import Tracker
 
     out = tmp_path / "outputs"

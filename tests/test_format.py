@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tasks.data.problems import generate_problems, problem_statements, solve, split_problems
-from tasks.data.sft_examples import build_sft_examples
+from tasks.data.chat_examples import build_sft_examples
 from tasks.rollout.agent import end_turn, render_tool_result
 from tasks.rollout.trajectory import RolloutSpec, Trajectory
 from tasks.rollout.format import (

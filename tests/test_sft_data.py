@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tasks.config import load_config
-from tasks.data.sft_examples import chat_segments, chats_from_file
+from tasks.data.chat_examples import chat_segments, chats_from_file
 from tasks.data.sources import SourceError
 from tasks.rollout.format import IM_END, IM_START, TOOL_CALL_CLOSE, TOOL_RESPONSE_OPEN, prompt_text, tool_response_text
 
@@ -84,7 +84,7 @@ def test_the_generated_set_is_the_default_source() -> None:
 
 
 def test_the_base_tokenizer_corpus_leaves_out_recovery_examples() -> None:
-    from tasks.data.sft_examples import sft_examples
+    from tasks.data.chat_examples import sft_examples
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml", {"sft.n_examples": 50})
     assert cfg.sft.recovery_share > 0

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from tasks.config import load_config
-from tasks.store.run import RunContext, saved_policy
+from tasks.store.run_folder import RunContext, saved_policy
 
 STAGE = {"steps": 1, "max_response_tokens": 32, "max_turns": 1, "problems_per_step": 1}
 

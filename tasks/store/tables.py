@@ -1,10 +1,10 @@
 """Table schemas, defined once, and atomic Parquet writes.
 
-Rows land under the run folder as one hive-style partition per (stage, step),
-`<run>/<table>/stage=<stage>/step=<n>/part-0.parquet`, so re-running a step replaces its file
-instead of appending duplicates, and a reader filtering on stage or step opens only those
-folders. Every row also carries its run, stage and step, so a file read on its own is complete;
-DuckDB reads a whole table with `read_parquet('<run>/rollouts/*/*/*.parquet')`.
+Rows land under the run folder as one hive-style partition per (stage, step) or (checkpoint,
+benchmark), e.g. `<run>/rollouts/stage=<stage>/step=<n>/part-0.parquet` (PARTITIONS), so
+re-running a step replaces its file instead of appending duplicates, and a reader filtering on
+stage or step opens only those folders. Every row also carries its run, stage and step, so a file read on its own is complete;
+DuckDB reads a whole table with `read_parquet_sql(run, "rollouts")`.
 """
 
 from __future__ import annotations
@@ -125,9 +125,30 @@ def read_table(path: Path) -> list[dict]:
     return pq.read_table(path).to_pylist()
 
 
+# How each partitioned table lies in a run folder, `<run>/<table>/<key>=<value>/.../part-0.parquet`:
+# its partition keys in order, with their DuckDB types (dashboards/views.sql reads them from here).
+PARTITIONS = {
+    "rollouts": {"stage": "VARCHAR", "step": "INTEGER"},
+    "steps": {"stage": "VARCHAR", "step": "INTEGER"},
+    "evaluations": {"checkpoint": "VARCHAR", "benchmark": "VARCHAR"},
+}
+
+
 def partition(run_dir: Path, table: str, **keys) -> Path:
-    """The file of one hive-style partition: `<run>/<table>/<key>=<value>/.../part-0.parquet`."""
+    """The file of one hive-style partition of `table` (keys as PARTITIONS names them)."""
+    if list(keys) != list(PARTITIONS[table]):
+        raise ValueError(f"table {table} is partitioned by {list(PARTITIONS[table])}, not {list(keys)}")
     return run_dir.joinpath(table, *(f"{k}={v}" for k, v in keys.items()), "part-0.parquet")
+
+
+def read_parquet_sql(runs: str | Path, table: str) -> str:
+    """DuckDB's read of every partition of `table` in the run folders `runs` (a folder or a glob),
+    with the partition keys as typed columns."""
+    keys = PARTITIONS[table]
+    glob = f"{runs}/{table}/" + "*/" * len(keys) + "*.parquet"
+    types = ", ".join(f"'{k}': {t}" for k, t in keys.items())
+    return (f"read_parquet('{glob}', union_by_name = true, hive_partitioning = true, "
+            f"hive_types = {{{types}}})")
 
 
 def step_part(run_dir: Path, table: str, stage: str, step: int) -> Path:
@@ -136,7 +157,8 @@ def step_part(run_dir: Path, table: str, stage: str, step: int) -> Path:
 
 def evaluation_rows(run_dir: Path) -> list[dict]:
     """Every row of a run's evaluations table, in the order the evaluations were written."""
-    parts = sorted((run_dir / "evaluations").glob("*/*/part-0.parquet"), key=lambda p: p.stat().st_mtime_ns)
+    parts = sorted((run_dir / "evaluations").glob("*/" * len(PARTITIONS["evaluations"]) + "part-0.parquet"),
+                   key=lambda p: p.stat().st_mtime_ns)
     return [row for part in parts for row in read_table(part)]
 
 

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from tasks.config import OptimConfig, RunConfig
 from tasks.data.pretrain import pretraining_phases
 from tasks.data.problems import Problem
-from tasks.data.sft_examples import Segments, sft_examples, tokenize_segments
+from tasks.data.chat_examples import Segments, sft_examples, tokenize_segments
 from tasks.train.sample import Sample
 from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer
