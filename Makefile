@@ -9,7 +9,7 @@ export OMP_NUM_THREADS ?= 1
 export PREFECT_HOME ?= $(CURDIR)/outputs/prefect
 # No telemetry or hub look-ups: `rstar2` and the tests set tasks/config/environment.py's values.
 
-.PHONY: setup run test clean
+.PHONY: setup run test test-fast lint clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,14 @@ run: setup
 test: setup
 	@command -v chromium >/dev/null || (apt-get update && apt-get install -y --no-install-recommends chromium)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+# Day to day: the suite without the end-to-end tests that start engines and train.
+test-fast: setup
+	$(VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 clean:
 	rm -rf outputs

@@ -1,0 +1,10 @@
+"""The work of the pipeline, in two kinds of module; tests/test_layout.py holds the rule.
+
+- A file directly in tasks/ (curate.py, sft.py, policy.py, grpo.py, report.py, resume.py,
+  ablation.py) holds Prefect `@task` functions only, a few lines each over the library below:
+  what the flows in flows/ call.
+- A folder is library code, plain Python without Prefect, usable from a test, a benchmark or a
+  notebook: config, data, sandbox, rollout, reward, rl, train, store, summary, tracking, runtime.
+  Pure algorithms (RoC, advantages, loss, scheduler policy, answer extraction, curation filters)
+  do no I/O; record types (trajectory, sample, run context) live in light modules of their own.
+"""

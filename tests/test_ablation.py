@@ -65,6 +65,7 @@ def test_report_has_a_row_per_mode_the_command_and_a_png(tmp_path) -> None:
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_ablate_flow_runs_each_mode_from_one_sft_policy_and_reports(tmp_path) -> None:
     """Two modes, one seed, at a small size: the second mode's run starts from the first one's SFT
     policy (not trained again) and the report compares both; a second ablation with another RL

@@ -10,11 +10,14 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from prefect import get_client
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from tasks.store.tables import partition, read_table
 from tests.browser import _free_port
+
+pytestmark = pytest.mark.slow  # starts engines or trains
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "services.sh"

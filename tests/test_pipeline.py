@@ -18,6 +18,8 @@ from flows.pipeline import pipeline
 from tasks.data.problems import generate_problems
 from tasks.tracking.mlflow_log import EXPERIMENT, tracking_uri
 
+pytestmark = pytest.mark.slow  # starts engines or trains
+
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 STAGE = {"name": "stage1", "steps": 2, "max_response_tokens": 128, "max_turns": 3, "problems_per_step": 4}
 # A second stage behind the difficulty filter (2 attempts per problem), optimizer reset.

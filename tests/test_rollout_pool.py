@@ -37,6 +37,7 @@ def test_engines_get_their_own_blocks_of_cores() -> None:
     assert engine_cores(0, 8, [0, 1]) == [0, 1]
 
 
+@pytest.mark.slow
 def test_an_engine_in_this_process_runs_engine_threads(model_dir) -> None:
     previous = torch.get_num_threads()
     try:
@@ -54,6 +55,7 @@ def services(model_dir):
 
 
 @pytest.mark.parametrize("policy", ["static", "kv_aware", "kv_observed"])
+@pytest.mark.slow
 def test_rollouts_complete_on_a_two_engine_pool(model_dir, services, policy) -> None:
     pool, tools = services
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -82,6 +84,7 @@ def test_rollouts_complete_on_a_two_engine_pool(model_dir, services, policy) -> 
         assert times.preemptions > 0, ([(t.stop_reason, len(t.response_ids), len(t.prompt_ids)) for t in trajectories], pool.kv_tokens)
 
 
+@pytest.mark.slow
 def test_each_engine_process_runs_on_its_own_cores(services) -> None:
     pool, _ = services
     for index, stats in enumerate(pool.stats()):
@@ -89,6 +92,7 @@ def test_each_engine_process_runs_on_its_own_cores(services) -> None:
         assert stats["cores"] == engine_cores(index, 1, available_cores()), (index, stats)
 
 
+@pytest.mark.slow
 def test_evaluation_samples_differ_at_temperature_0_6(model_dir, services) -> None:
     """avg@k needs k real samples: the release evaluated greedily, which makes avg@16 one sample."""
     from tasks.config import load_config

@@ -30,6 +30,7 @@ def _samples(advantages):
     return [Sample(list(range(3, 3 + 12 + i)), [0] * 4 + [1] * (8 + i), a) for i, a in enumerate(advantages)]
 
 
+@pytest.mark.slow
 def test_one_optimizer_step_per_call(trainer):
     before = trainer.engine.global_steps
     trainer.rl_step(_samples([1.0, -1.0, 1.0, -1.0, 0.5]), LossConfig())  # 3 micro-batches
@@ -37,6 +38,7 @@ def test_one_optimizer_step_per_call(trainer):
     assert trainer.engine.global_steps == before + 2
 
 
+@pytest.mark.slow
 def test_positive_advantage_raises_log_probs_negative_lowers(trainer):
     up, down = _samples([1.0])[0], Sample(list(range(20, 32)), [0] * 4 + [1] * 8, -1.0)
     before = trainer.token_logprobs([up, down])
@@ -46,6 +48,7 @@ def test_positive_advantage_raises_log_probs_negative_lowers(trainer):
     assert metrics["tokens"] == 16 and metrics["grad_norm"] > 0 and metrics["entropy"] > 0
 
 
+@pytest.mark.slow
 def test_log_probs_are_those_of_the_sampling_temperature(trainer):
     samples = _samples([0.0, 0.0])  # no advantage: the policy does not move between the calls
     hot, cold = (trainer.rl_step(samples, LossConfig(), temperature=t)["entropy"] for t in (2.0, 0.5))
@@ -59,6 +62,7 @@ def test_micro_batches_group_samples_of_similar_length():
     assert sorted(map(id, ordered)) == sorted(map(id, samples))  # nothing lost or repeated
 
 
+@pytest.mark.slow
 def test_update_does_not_depend_on_the_micro_batch_size(trainer, tmp_path):
     """Samples of mixed lengths in one micro-batch or in four: the same loss, entropy and gradient."""
     model_dir = trainer.save_pretrained(tmp_path / "start")
@@ -78,6 +82,7 @@ def test_lr_schedule_warms_up_from_the_first_step():
 
 
 @pytest.mark.parametrize("zero_stage, dtype", [(3, "float32"), (1, "bfloat16")])
+@pytest.mark.slow
 def test_zero3_and_bf16_update_and_export_full_weights(trainer, zero_stage, dtype, tmp_path):
     model_dir = tmp_path / "start"
     trainer.save_pretrained(model_dir)
@@ -91,6 +96,7 @@ def test_zero3_and_bf16_update_and_export_full_weights(trainer, zero_stage, dtyp
     assert any(not torch.equal(after[name].float(), before[name]) for name in before)
 
 
+@pytest.mark.slow
 def test_stage_boundary_reset_keeps_weights_and_drops_optimizer_state(trainer, tmp_path):
     from tasks.config import default_config_path, load_config
     from tasks.runtime import Runtime

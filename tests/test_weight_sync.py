@@ -13,6 +13,8 @@ from tasks.rollout.engine import Engine
 from tasks.rollout.metrics import max_logprob_gap
 from tasks.train.trainer import Trainer
 
+pytestmark = pytest.mark.slow  # starts engines or trains
+
 TOLERANCE = 2e-3  # fp32 on both sides; different kernels (vLLM CPU vs torch) differ ~1e-5
 
 

@@ -21,6 +21,8 @@ from tasks.train.sample import Sample
 from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer
 
+pytestmark = pytest.mark.slow  # starts engines or trains
+
 OPTIM = OptimConfig(lr=1e-2, warmup_steps=0, zero_stage=2, micro_batch_size=2)
 STEPS = 3
 

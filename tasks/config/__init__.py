@@ -136,7 +136,7 @@ class SftConfig(_Strict):
     # Of the generated tool-call examples, the share whose first call fails (half malformed, half
     # a failing program) and is corrected; the failed call is context, not a target. Without
     # them the tiny policy answers at once after a failed call, so its positives carry no tool
-    # errors for RoC to filter (0.1%); with 0.3 (the tiny default), 7-9% do (LOG.md, session 10).
+    # errors for RoC to filter (0.1%); with 0.3 (the tiny default), 7-9% do (LOG.md, 2026-11-24 recovery-from-malformed-calls entry).
     recovery_share: float = Field(0.0, ge=0.0, le=1.0)
     epochs: int = 3
     batch_size: int = 32
@@ -172,7 +172,7 @@ class EngineConfig(_Strict):
     # previous batch's rollouts. bench/scheduler_sim.py, 3 seeds, at 419K KV tokens an engine
     # (Qwen3-14B in the paper config's 64 GiB): steps 27-32% shorter than static (the paper's
     # rule: 7-14%), no preemptions; at 850K (a whole 192 GB GPU) 3-5% longer than static (the
-    # paper's: 19-22%). On the tiny CPU pool both lose to static (bench/rollout_bench.py; README).
+    # paper's: 19-22%). On the tiny CPU pool both lose to static (bench/rollout_bench.py; docs/benchmarks.md).
     kv_reserve: Literal["max_length", "observed"] = "max_length"
     kv_headroom: float = Field(1.3, ge=1.0)
 
@@ -205,7 +205,7 @@ class LossConfig(_Strict):
     dual_clip: float = 3.0
     # Scales the loss of rollouts with a negative advantage (the paper: 1). Token-mean sums tokens,
     # and wrong rollouts are the long ones, so at 1 pushing down outweighs pulling up; on the tiny
-    # default that raised entropy and tool errors over stage 1 (LOG.md, session 12).
+    # default that raised entropy and tool errors over stage 1 (LOG.md, 2026-11-24 wrong-rollouts-outweighed entry).
     negative_weight: float = Field(1.0, ge=0.0, le=1.0)
 
 

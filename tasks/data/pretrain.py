@@ -4,11 +4,11 @@ their programs.
 A real base model (Qwen3-14B-Base in the paper) already reads numbers and writes Python; a
 model trained from scratch does not. Every generated problem needs one skill above all: copying
 numbers, from the question into the program and from the tool's output into the answer. On
-problem documents alone the tiny model never learned it (LOG.md, session 4: 0 of 64 programs
-right after 1,500 steps); a short run of dense copy drills first makes the copy mechanism form
-(a sudden drop in their loss), after which problem documents teach the programs within a few
-hundred steps (LOG.md, session 5). All come from seeds disjoint from the curated splits and carry
-no answers and no reasoning.
+problem documents alone the tiny model never learned it (LOG.md, 2026-11-23 no-copying entry:
+0 of 64 programs right after 1,500 steps); a short run of dense copy drills first makes the copy
+mechanism form (a sudden drop in their loss), after which problem documents teach the programs
+within a few hundred steps (LOG.md, 2026-11-23 copy-drills entry). All come from seeds disjoint
+from the curated splits and carry no answers and no reasoning.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def _modular(rng: random.Random, level: int) -> tuple[str, str]:
 
 def _counting(rng: random.Random, level: int) -> tuple[str, str]:
     # The second divisor's leading digit varies: drawn from 10-19, every one began with the 1 that
-    # fills the prompt, and the tiny model copied the wrong second digit (LOG.md, session 13).
+    # fills the prompt, and the tiny model copied the wrong second digit (LOG.md, 2026-11-24 quarter-weight entry).
     n, a, b = rng.randint(100, 10 ** (level + 2)), rng.randint(2, 9), rng.randint(11, 97)
     return (
         f"How many integers from 1 to {n} are divisible by {a} or {b}?",

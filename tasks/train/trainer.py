@@ -181,7 +181,7 @@ class Trainer:
 
         `temperature` is the rollouts' sampling temperature: log-probs (and the entropy metric)
         are those of the distribution the tokens were drawn from. At 0.6 without it, the tiny
-        default's reward fell from 0.32 to 0 in ten steps (LOG.md, session 5)."""
+        default's reward fell from 0.32 to 0 in ten steps (LOG.md, 2026-11-23 copy-drills entry)."""
         with self._threads():
             return self._rl_step(samples, loss_cfg, temperature)
 
