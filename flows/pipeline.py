@@ -45,10 +45,9 @@ def pipeline(config: str = str(default_config_path()), run_id: str | None = None
             rows.append(stage_row("sft", sft_steps, before, after, clock))
             if cfg.data.consensus:
                 train = consensus(cfg, ctx, runtime, train)
-            total_rl_steps = sum(stage.steps for stage in cfg.rl.stages)
             for stage in stages_to_run(cfg, ctx, stages):
                 before = after
-                steps = rl_stage(cfg, ctx, runtime, stage, train, total_rl_steps)
+                steps = rl_stage(cfg, ctx, runtime, stage, train, cfg.rl.total_steps)
                 after = evaluate(cfg, ctx, runtime, stage.name, heldout, benchmarks)
                 rows.append(stage_row(stage.name, steps, before, after, clock))
         publish_summary(ctx, rows, clock.total())

@@ -243,6 +243,10 @@ class RLConfig(_Strict):
     def rollouts_per_problem(self) -> int:
         return self.group_size if self.roc.mode == "off" else 2 * self.group_size
 
+    @property
+    def total_steps(self) -> int:
+        return sum(stage.steps for stage in self.stages)
+
     def previous_stage(self, name: str) -> str | None:
         names = [s.name for s in self.stages]
         return names[names.index(name) - 1] if names.index(name) > 0 else None
