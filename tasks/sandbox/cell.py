@@ -13,7 +13,7 @@ rlimits, fresh seeds, and runs the code through the runner as a fresh interprete
 What is left of a small call's cost is mostly copy-on-write faults: every page that X (or I,
 after the fork) writes is copied, at ~5 us a fault on a VM (LOG.md 2026-11-23). So X does as
 little as it can: I sets up once what every program starts with (environment, sys.argv,
-sys.path, the standard stream objects, no_new_privs), forks without CPython's after-fork hooks,
+sys.path, the standard stream objects, no_new_privs, the rlimits to apply), forks without CPython's after-fork hooks,
 and the server sends the program already compiled (marshal) when it can (see
 executor.TemplatePool._compiled).
 """
@@ -32,7 +32,6 @@ import time
 import traceback
 
 from tasks.sandbox import protocol, runner
-from tasks.sandbox.protocol import END_EXITED, END_KILLED, END_TIMEOUT
 from tasks.sandbox.isolation import (
     NOBODY,
     PR_SET_CHILD_SUBREAPER,
@@ -43,6 +42,7 @@ from tasks.sandbox.isolation import (
     set_up_filesystem,
 )
 from tasks.sandbox.limits import apply_rlimits, rlimits
+from tasks.sandbox.protocol import END_EXITED, END_KILLED, END_TIMEOUT
 
 
 def reseed_numpy() -> None:

@@ -1,7 +1,8 @@
 """What one call may use: the `Limits` a server is given, and the rlimits that enforce them.
 
-Standard library only: the template's program process applies the rlimits itself, after its
-fork (tasks/sandbox/cell.py); the fresh-process path applies them between fork and exec.
+Standard library only: a template cell works out its programs' rlimits once and each program
+applies them after its fork (tasks/sandbox/cell.py); the fresh-process path applies them between
+fork and exec.
 """
 
 import resource
