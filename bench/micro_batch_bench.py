@@ -21,8 +21,8 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from tasks.config import default_config_path, load_config
-from tasks.train.sample import Sample
 from tasks.data.chat_examples import sft_examples, tokenize_segments
+from tasks.train.sample import Sample
 from tasks.train.supervised import epoch_batches
 from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer, by_length
@@ -55,8 +55,15 @@ def main() -> None:
         samples = [Sample(*tokenize_segments(tokenizer, example)) for example in sft_examples(cfg)[0]]
         samples = [s for s in samples if len(s.token_ids) <= cfg.sft.max_len]
         batches = list(epoch_batches(samples, cfg.sft.batch_size, args.steps + 1, seed=0))
-        trainers = {size: Trainer(model_dir, cfg.sft.optim.model_copy(update={"micro_batch_size": size}),
-                                  total_steps=args.steps + 1, threads=threads) for size in args.sizes}
+        trainers = {
+            size: Trainer(
+                model_dir,
+                cfg.sft.optim.model_copy(update={"micro_batch_size": size}),
+                total_steps=args.steps + 1,
+                threads=threads,
+            )
+            for size in args.sizes
+        }
         times: dict[int, list[float]] = {size: [] for size in args.sizes}
         losses: dict[int, float] = {}
         for step, batch in enumerate(tqdm(batches, desc="sft steps")):  # step 0 warms up, not counted
@@ -66,13 +73,17 @@ def main() -> None:
                 if step:
                     times[size].append(time.perf_counter() - started)
     lengths = sorted(len(s.token_ids) for s in samples)
-    print(f"{len(samples)} SFT examples, {lengths[len(lengths) // 2]} tokens median, {lengths[-1]} max; "
-          f"batch {cfg.sft.batch_size}, {threads} thread(s), {args.steps} steps")
+    print(
+        f"{len(samples)} SFT examples, {lengths[len(lengths) // 2]} tokens median, {lengths[-1]} max; "
+        f"batch {cfg.sft.batch_size}, {threads} thread(s), {args.steps} steps"
+    )
     baseline = statistics.median(times[args.sizes[0]])
     for size in args.sizes:
         median = statistics.median(times[size])
-        print(f"micro-batch {size:3d}: {median:.3f} s/step (median), padding {padding_share(batches, size):.1%}, "
-              f"last loss {losses[size]:.6f}, {baseline / median:.2f}x micro-batch {args.sizes[0]}")
+        print(
+            f"micro-batch {size:3d}: {median:.3f} s/step (median), padding {padding_share(batches, size):.1%}, "
+            f"last loss {losses[size]:.6f}, {baseline / median:.2f}x micro-batch {args.sizes[0]}"
+        )
 
 
 if __name__ == "__main__":

@@ -37,16 +37,16 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tasks.config import EngineConfig, OptimConfig, TinyModelConfig  # noqa: E402
-from tasks.data.problems import generate_problems  # noqa: E402
 from tasks.data.chat_examples import build_sft_examples, tokenize_segments  # noqa: E402
-from tasks.train.sample import Sample  # noqa: E402
+from tasks.data.problems import generate_problems  # noqa: E402
 from tasks.rollout.agent import ToolRunner, run_rollouts  # noqa: E402
-from tasks.rollout.trajectory import RolloutSpec  # noqa: E402
 from tasks.rollout.engine import configure_cpu_runtime, weights_from_dir  # noqa: E402
 from tasks.rollout.format import TOOL_CALL_CLOSE, prompt_text  # noqa: E402
 from tasks.rollout.pool import EnginePool  # noqa: E402
+from tasks.rollout.trajectory import RolloutSpec  # noqa: E402
 from tasks.sandbox.executor import Limits  # noqa: E402
 from tasks.sandbox.server import SandboxService  # noqa: E402
+from tasks.train.sample import Sample  # noqa: E402
 from tasks.train.tiny_model import build_tiny_model  # noqa: E402
 from tasks.train.trainer import Trainer  # noqa: E402
 
@@ -81,8 +81,9 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer(prompt_text(q, TOOL, "compact"), add_special_tokens=False)["input_ids"] for q in questions]
 
 
-def hf_tokens_per_s(model_dir: Path, batch: list[list[int]], new_tokens: int, threads: int, stop: list[int],
-                    micro_batch: int) -> float:
+def hf_tokens_per_s(
+    model_dir: Path, batch: list[list[int]], new_tokens: int, threads: int, stop: list[int], micro_batch: int
+) -> float:
     """`generate` over the batch in padded micro-batches of `micro_batch` prompts, one after another."""
     from transformers import AutoModelForCausalLM
 
@@ -97,16 +98,32 @@ def hf_tokens_per_s(model_dir: Path, batch: list[list[int]], new_tokens: int, th
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in part])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in part])
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=True,
-                                 temperature=1.0, top_p=1.0, eos_token_id=stop, pad_token_id=pad)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                eos_token_id=stop,
+                pad_token_id=pad,
+            )
         for row in out[:, width:].tolist():
             ends = [i for i, t in enumerate(row) if t in stop]
             tokens += ends[0] + 1 if ends else len(row)
     return tokens / (time.perf_counter() - started)
 
 
-def pool_tokens_per_s(model_dir: Path, batch: list[list[int]], new_tokens: int, engines: int, threads: int,
-                      stop: list[int], eager: bool, passes: int) -> tuple[float, list[float]]:
+def pool_tokens_per_s(
+    model_dir: Path,
+    batch: list[list[int]],
+    new_tokens: int,
+    engines: int,
+    threads: int,
+    stop: list[int],
+    eager: bool,
+    passes: int,
+) -> tuple[float, list[float]]:
     """The batch `passes` times through one pool, the weights pushed again between passes (as
     after an RL update, which drops the prefix cache): a pass takes a few seconds, too short a
     window on a shared VM, and the engine runs batch after batch in training anyway. Tokens/s over
@@ -134,8 +151,15 @@ def pool_tokens_per_s(model_dir: Path, batch: list[list[int]], new_tokens: int, 
 LAYOUTS = ((1, 1), (2, 2), (2, 1))
 
 
-def throughput(model_dir: Path, batch: list[list[int]], new_tokens: int, stop: list[int], rounds: int,
-               passes: int, hf_batches: list[int]) -> None:
+def throughput(
+    model_dir: Path,
+    batch: list[list[int]],
+    new_tokens: int,
+    stop: list[int],
+    rounds: int,
+    passes: int,
+    hf_batches: list[int],
+) -> None:
     """Pool vs HF in rounds, each ratio from one round's measurements of both. A shared VM's
     speed drifts by tens of percent within minutes, so separate runs of the two sides gave ratios
     that moved more than the difference being measured; the order alternates between rounds.
@@ -148,28 +172,43 @@ def throughput(model_dir: Path, batch: list[list[int]], new_tokens: int, stop: l
             measured, hf = {}, None
             for side in ("hf", "pools") if r % 2 == 0 else ("pools", "hf"):
                 if side == "hf":
-                    by_size = {size: hf_tokens_per_s(model_dir, batch, new_tokens, cores, stop, size)
-                               for size in hf_batches}
+                    by_size = {
+                        size: hf_tokens_per_s(model_dir, batch, new_tokens, cores, stop, size) for size in hf_batches
+                    }
                     hf = max(by_size.values())
                     continue
                 for engines, mode in pools:
-                    measured[engines, mode] = pool_tokens_per_s(model_dir, batch, new_tokens, engines,
-                                                                cores // engines, stop, mode == "eager", passes)
-            print(f"  round {r + 1}, {cores} core(s): HF generate {hf:.0f} tok/s at its best micro-batch ("
-                  + ", ".join(f"{size}: {tps:.0f}" for size, tps in by_size.items()) + ")", flush=True)
+                    measured[engines, mode] = pool_tokens_per_s(
+                        model_dir, batch, new_tokens, engines, cores // engines, stop, mode == "eager", passes
+                    )
+            print(
+                f"  round {r + 1}, {cores} core(s): HF generate {hf:.0f} tok/s at its best micro-batch ("
+                + ", ".join(f"{size}: {tps:.0f}" for size, tps in by_size.items())
+                + ")",
+                flush=True,
+            )
             for (engines, mode), (tps, each) in measured.items():
-                print(f"    pool {engines}x{cores // engines} {mode:<8} {tps:6.0f} tok/s ({tps / hf:.1f}x); passes "
-                      + " / ".join(f"{x:.0f}" for x in each), flush=True)
+                print(
+                    f"    pool {engines}x{cores // engines} {mode:<8} {tps:6.0f} tok/s ({tps / hf:.1f}x); passes "
+                    + " / ".join(f"{x:.0f}" for x in each),
+                    flush=True,
+                )
                 ratios.setdefault((cores, engines, mode), []).append(tps / hf)
     print("  pool / HF generate, median (min-max) over the rounds:")
     for (cores, engines, mode), values in ratios.items():
-        print(f"    {cores} core(s), {engines} engine(s) x {cores // engines} thread(s), {mode:<8}: "
-              f"{statistics.median(values):.1f}x ({min(values):.1f}-{max(values):.1f}x)", flush=True)
+        print(
+            f"    {cores} core(s), {engines} engine(s) x {cores // engines} thread(s), {mode:<8}: "
+            f"{statistics.median(values):.1f}x ({min(values):.1f}-{max(values):.1f}x)",
+            flush=True,
+        )
 
 
 # label -> (policy, KV reserve)
-POLICIES = {"static": ("static", "max_length"), "kv_aware": ("kv_aware", "max_length"),
-            "kv_observed": ("kv_aware", "observed")}
+POLICIES = {
+    "static": ("static", "max_length"),
+    "kv_aware": ("kv_aware", "max_length"),
+    "kv_observed": ("kv_aware", "observed"),
+}
 
 
 def scheduling(model_dir: Path, args: argparse.Namespace) -> dict[str, list]:
@@ -177,24 +216,38 @@ def scheduling(model_dir: Path, args: argparse.Namespace) -> dict[str, list]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    spec = RolloutSpec(max_turns=4, max_response_tokens=args.max_response, temperature=1.0, top_p=1.0,
-                       tool_name=TOOL, tool_response_chars=300, tool_spec="compact")
+    spec = RolloutSpec(
+        max_turns=4,
+        max_response_tokens=args.max_response,
+        temperature=1.0,
+        top_p=1.0,
+        tool_name=TOOL,
+        tool_response_chars=300,
+        tool_spec="compact",
+    )
     problems = [(p.problem_id, p.question) for p in generate_problems(args.problems, [1, 2, 3], seed=11)]
     cfg = EngineConfig(kv_cache_gib=args.kv_gib, max_model_len=1024, count=2)
     results: dict[str, list] = {label: [] for label in POLICIES}
-    with SandboxService(workers=2, limits=Limits(timeout_s=4.0)) as box, ToolRunner([box.url]) as tools, \
-            EnginePool(model_dir, cfg, seed=0) as pool:
+    with (
+        SandboxService(workers=2, limits=Limits(timeout_s=4.0)) as box,
+        ToolRunner([box.url]) as tools,
+        EnginePool(model_dir, cfg, seed=0) as pool,
+    ):
         longest = max(len(tokenizer(prompt_text(q, TOOL, "compact"))["input_ids"]) for _, q in problems)
-        print(f"engine KV capacity {pool.kv_tokens} tokens; a full rollout is {longest + args.max_response}: "
-              f"paper KV-aware slots {[kv // (longest + args.max_response) for kv in pool.kv_tokens]}", flush=True)
+        print(
+            f"engine KV capacity {pool.kv_tokens} tokens; a full rollout is {longest + args.max_response}: "
+            f"paper KV-aware slots {[kv // (longest + args.max_response) for kv in pool.kv_tokens]}",
+            flush=True,
+        )
         order = list(POLICIES)
         for repeat in range(args.repeats):
             for label in order if repeat % 2 == 0 else order[::-1]:
                 policy, reserve = POLICIES[label]
                 # kv_observed sizes its reserve from the pool's previous batch, whichever policy ran it.
                 pool.cfg = cfg.model_copy(update={"scheduler": policy, "kv_reserve": reserve})
-                trajectories, times = run_rollouts(pool, tools, tokenizer, problems, args.samples, spec,
-                                                   f"{label} #{repeat}")
+                trajectories, times = run_rollouts(
+                    pool, tools, tokenizer, problems, args.samples, spec, f"{label} #{repeat}"
+                )
                 tokens = sum(len(t.response_ids) for t in trajectories)
                 turns = sum(t.turns for t in trajectories) / len(trajectories)
                 results[label].append((times, tokens, turns))
@@ -205,8 +258,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--hf-batches", default="64,128,256",
-                        help="part 1: HF micro-batch sizes to try each round; its best one counts")
+    parser.add_argument(
+        "--hf-batches", default="64,128,256", help="part 1: HF micro-batch sizes to try each round; its best one counts"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="part 1: rounds of every measurement")
     parser.add_argument("--passes", type=int, default=4, help="part 1: batches through each pool, timed together")
     parser.add_argument("--sft-steps", type=int, default=60)
@@ -228,30 +282,44 @@ def main() -> None:
     from safetensors.torch import load_file
 
     params = sum(t.numel() for f in model_dir.glob("*.safetensors") for t in load_file(f).values())
-    print(f"Part 1: {len(batch)} prompts x {args.new_tokens} sampled tokens, tiny model of {params / 1e6:.1f}M "
-          f"parameters, {args.rounds} round(s)")
+    print(
+        f"Part 1: {len(batch)} prompts x {args.new_tokens} sampled tokens, tiny model of {params / 1e6:.1f}M "
+        f"parameters, {args.rounds} round(s)"
+    )
     hf_batches = [int(size) for size in args.hf_batches.split(",")]
     throughput(model_dir, batch, args.new_tokens, stop, args.rounds, args.passes, hf_batches)
 
     if args.repeats == 0:
         return
     untrained = model_dir.with_name(model_dir.name + "-base")
-    for label, directory in (("tool-call SFT model: mixed lengths, real tool turns", model_dir),
-                             ("untrained model: every turn runs to the budget", untrained)):
-        print(f"\nPart 2, {label}: {args.problems} problems x {args.samples} rollouts, up to 4 turns "
-              f"and {args.max_response} response tokens, 2 engine processes", flush=True)
+    for label, directory in (
+        ("tool-call SFT model: mixed lengths, real tool turns", model_dir),
+        ("untrained model: every turn runs to the budget", untrained),
+    ):
+        print(
+            f"\nPart 2, {label}: {args.problems} problems x {args.samples} rollouts, up to 4 turns "
+            f"and {args.max_response} response tokens, 2 engine processes",
+            flush=True,
+        )
         results = scheduling(directory, args)
-        print(f"{'policy':<11} {'reserve':>7} {'makespan s':>11} {'idle':>6} {'preemptions':>11} {'tok/s':>7} "
-              f"{'turns':>6}")
+        print(
+            f"{'policy':<11} {'reserve':>7} {'makespan s':>11} {'idle':>6} {'preemptions':>11} {'tok/s':>7} "
+            f"{'turns':>6}"
+        )
         for label, runs in results.items():
             for times, tokens, turns in runs:
                 reserve = times.kv_reserve_tokens if label != "static" else "-"
-                print(f"{label:<11} {reserve:>7} {times.total_s:>11.1f} {times.engine_idle_fraction:>6.1%} "
-                      f"{times.preemptions:>11} {tokens / times.total_s:>7.0f} {turns:>6.2f}")
+                print(
+                    f"{label:<11} {reserve:>7} {times.total_s:>11.1f} {times.engine_idle_fraction:>6.1%} "
+                    f"{times.preemptions:>11} {tokens / times.total_s:>7.0f} {turns:>6.2f}"
+                )
         mean = {p: sum(t.total_s for t, _, _ in r) / len(r) for p, r in results.items()}
         for label in ("kv_aware", "kv_observed"):
-            print(f"{label} makespan {1 - mean[label] / mean['static']:+.1%} vs static "
-                  f"(positive: shorter; mean of {args.repeats} each)", flush=True)
+            print(
+                f"{label} makespan {1 - mean[label] / mean['static']:+.1%} vs static "
+                f"(positive: shorter; mean of {args.repeats} each)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,7 @@ CASES = {
     "a": ("print(1+1)", "print(1+1)"),
     "b": (
         "sympy factor",
-        "import sympy\nx, y = sympy.symbols('x y')\n"
-        "print(sympy.factor(x**6 - y**6 + 2*x**3 - 2*y**3))",
+        "import sympy\nx, y = sympy.symbols('x y')\nprint(sympy.factor(x**6 - y**6 + 2*x**3 - 2*y**3))",
     ),
     "c": (
         "1 s CPU loop",
@@ -87,9 +86,7 @@ async def run_sandbox(url: str, case: str, n: int, in_flight: int) -> dict:
                 latencies.append(time.perf_counter() - started)
             answers[i] = answers.get(i, 0) + 1
             if result.status != ToolStatus.OK or not result.stdout.endswith(expected_tail(i)):
-                bad.append(
-                    f"#{i}: {result.status.value} {result.stdout[-40:]!r} {result.stderr[-200:]!r}"
-                )
+                bad.append(f"#{i}: {result.status.value} {result.stdout[-40:]!r} {result.stderr[-200:]!r}")
 
         started = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(n)))
@@ -101,12 +98,14 @@ def run_baseline(python: str, case: str, n: int, in_flight: int) -> dict:
     latencies: list[float] = []
     answers: dict[int, int] = {}
     bad: list[str] = []
+
     # The baseline runs the program as written: no echo of the bare expression, so print it.
     def one(i: int) -> None:
         code = f"{CASES[case][1]}\nprint({i})"
         started = time.perf_counter()
-        done = subprocess.run([python, "-c", code], capture_output=True, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        done = subprocess.run(
+            [python, "-c", code], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
         latencies.append(time.perf_counter() - started)
         answers[i] = answers.get(i, 0) + 1
         if done.returncode != 0 or not done.stdout.endswith(expected_tail(i)):
@@ -175,8 +174,12 @@ def page_fault_costs(pages: int = 16384) -> dict:
     with open("/proc/self/statm") as f:
         rss_mb = int(f.read().split()[1]) * mmap.PAGESIZE >> 20
     buf.close()
-    return {"first_touch_us": (first - loop) / pages * 1e6, "copy_on_write_us": copy_on_write / pages * 1e6,
-            "fork_ms": fork_ms, "rss_mb": rss_mb}
+    return {
+        "first_touch_us": (first - loop) / pages * 1e6,
+        "copy_on_write_us": copy_on_write / pages * 1e6,
+        "fork_ms": fork_ms,
+        "rss_mb": rss_mb,
+    }
 
 
 def main() -> None:
@@ -184,11 +187,13 @@ def main() -> None:
     parser.add_argument("--cases", default="a,b,c")
     parser.add_argument("--in-flight", default="1,64,1000", help="comma-separated levels")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the request counts")
-    parser.add_argument("--requests", type=int, default=None,
-                        help="sandbox requests per (case, level), overriding defaults")  # fmt: skip
+    parser.add_argument(
+        "--requests", type=int, default=None, help="sandbox requests per (case, level), overriding defaults"
+    )
     parser.add_argument("--baseline-requests", type=int, default=None)
-    parser.add_argument("--baseline-max-in-flight", type=int, default=256,
-                        help="most fresh interpreters at once in the baseline")  # fmt: skip
+    parser.add_argument(
+        "--baseline-max-in-flight", type=int, default=256, help="most fresh interpreters at once in the baseline"
+    )
     parser.add_argument("--workers", type=int, default=4, help="sandbox programs running at once")
     parser.add_argument("--no-baseline", action="store_true")
     args = parser.parse_args()
@@ -196,9 +201,12 @@ def main() -> None:
     cases = args.cases.split(",")
 
     costs = page_fault_costs()
-    print(f"machine: a first-touch page fault {costs['first_touch_us']:.2f} us, a copy-on-write fault "
-          f"{costs['copy_on_write_us']:.2f} us, fork + exit of this "
-          f"process ({costs['rss_mb']} MB resident) {costs['fork_ms']:.2f} ms", flush=True)
+    print(
+        f"machine: a first-touch page fault {costs['first_touch_us']:.2f} us, a copy-on-write fault "
+        f"{costs['copy_on_write_us']:.2f} us, fork + exit of this "
+        f"process ({costs['rss_mb']} MB resident) {costs['fork_ms']:.2f} ms",
+        flush=True,
+    )
     rows = []
     limits = Limits(timeout_s=30.0, cpu_s=10, memory_mb=1024)
     with SandboxService(workers=args.workers, limits=limits, max_queue=max(levels) + 64) as box:
@@ -226,7 +234,9 @@ def main() -> None:
     problems = [
         (r["case"], r["level"])
         for r in rows
-        if r["sandbox"]["lost"] or r["sandbox"]["duplicated"] or r["sandbox"]["bad"]
+        if r["sandbox"]["lost"]
+        or r["sandbox"]["duplicated"]
+        or r["sandbox"]["bad"]
         or r["sandbox"]["server_ran"] != r["sandbox"]["n"]
     ]
     if problems:
@@ -239,20 +249,26 @@ def main() -> None:
 
 def print_row(row: dict, flush: bool = False) -> None:
     s, b = row["sandbox"], row["baseline"]
-    line = (f"[{row['case']} @ {row['level']}] sandbox n={s['n']} {s['throughput']:.1f}/s "
-            f"p50 {s['p50']:.3f}s p99 {s['p99']:.3f}s lost {s['lost']} dup {s['duplicated']} "
-            f"ran {s['server_ran']} bad {len(s['bad'])}")  # fmt: skip
+    line = (
+        f"[{row['case']} @ {row['level']}] sandbox n={s['n']} {s['throughput']:.1f}/s "
+        f"p50 {s['p50']:.3f}s p99 {s['p99']:.3f}s lost {s['lost']} dup {s['duplicated']} "
+        f"ran {s['server_ran']} bad {len(s['bad'])}"
+    )
     if b:
-        line += (f" | baseline n={b['n']} @ {b['level']} {b['throughput']:.1f}/s "
-                 f"p50 {b['p50']:.3f}s p99 {b['p99']:.3f}s bad {len(b['bad'])}")  # fmt: skip
+        line += (
+            f" | baseline n={b['n']} @ {b['level']} {b['throughput']:.1f}/s "
+            f"p50 {b['p50']:.3f}s p99 {b['p99']:.3f}s bad {len(b['bad'])}"
+        )
     print(line, file=sys.stderr, flush=flush)
 
 
 def print_table(rows: list[dict]) -> None:
-    header = (f"{'case':<14} {'in flight':>9} | {'n':>5} {'@':>4} {'req/s':>8} {'p50 s':>7} "
-              f"{'p99 s':>7} | "
-              f"{'base n':>6} {'@':>4} {'req/s':>7} {'p50 s':>7} {'p99 s':>7} | {'x thr':>6} "
-              f"{'answered once':>13}")  # fmt: skip
+    header = (
+        f"{'case':<14} {'in flight':>9} | {'n':>5} {'@':>4} {'req/s':>8} {'p50 s':>7} "
+        f"{'p99 s':>7} | "
+        f"{'base n':>6} {'@':>4} {'req/s':>7} {'p50 s':>7} {'p99 s':>7} | {'x thr':>6} "
+        f"{'answered once':>13}"
+    )
     print("in flight: requested level; @: real level (fewer requests than the level caps it);")
     print("x thr: sandbox throughput / baseline throughput")
     print(header)
@@ -260,12 +276,16 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         s, b = r["sandbox"], r["baseline"]
         once = "yes" if not (s["lost"] or s["duplicated"]) and s["server_ran"] == s["n"] else "NO"
-        text = (f"{CASES[r['case']][0]:<14} {r['level']:>9} | {s['n']:>5} {s['level']:>4} "
-                f"{s['throughput']:>8.1f} "
-                f"{s['p50']:>7.3f} {s['p99']:>7.3f} | ")  # fmt: skip
+        text = (
+            f"{CASES[r['case']][0]:<14} {r['level']:>9} | {s['n']:>5} {s['level']:>4} "
+            f"{s['throughput']:>8.1f} "
+            f"{s['p50']:>7.3f} {s['p99']:>7.3f} | "
+        )
         if b:
-            text += (f"{b['n']:>6} {b['level']:>4} {b['throughput']:>7.1f} {b['p50']:>7.3f} "
-                     f"{b['p99']:>7.3f} | {s['throughput'] / b['throughput']:>6.1f}")  # fmt: skip
+            text += (
+                f"{b['n']:>6} {b['level']:>4} {b['throughput']:>7.1f} {b['p50']:>7.3f} "
+                f"{b['p99']:>7.3f} | {s['throughput'] / b['throughput']:>6.1f}"
+            )
         else:
             text += f"{'-':>6} {'-':>4} {'-':>7} {'-':>7} {'-':>7} | {'-':>6}"
         print(text + f" {once:>13}")

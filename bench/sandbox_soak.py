@@ -77,9 +77,7 @@ async def soak(box: SandboxService, calls: int, in_flight: int, batch: int) -> d
             nonlocal done
             indices = range(start, min(calls, start + batch))
             async with gate:
-                results = await client.execute_batch(
-                    [(PROGRAMS[i % len(PROGRAMS)].format(i=i), "") for i in indices]
-                )
+                results = await client.execute_batch([(PROGRAMS[i % len(PROGRAMS)].format(i=i), "") for i in indices])
             for i, result in zip(indices, results):
                 answers[i] += 1
                 if result.status != ToolStatus.OK or not result.stdout.endswith(f"{i}\n"):
@@ -116,14 +114,15 @@ def main() -> None:
         report = asyncio.run(soak(box, args.calls, args.in_flight, args.batch))
         ran = stats(box.url)["done"]
 
-    print(f"\n{args.calls} calls in {report['elapsed_s']:.0f} s "
-          f"({args.calls / report['elapsed_s']:.1f}/s); server ran {ran}")  # fmt: skip
+    print(
+        f"\n{args.calls} calls in {report['elapsed_s']:.0f} s "
+        f"({args.calls / report['elapsed_s']:.1f}/s); server ran {ran}"
+    )
     print(f"{'when':>10} {'server MB':>10} {'template MB':>12}  cells MB")
     for label, n, mem in report["samples"]:
         when = label if label != "calls" else f"{n}"
         print(f"{when:>10} {mem['server_mb']:>10.1f} {mem['template_mb']:>12.1f}  {mem['cells_mb']}")
-    print(f"lost {report['lost']}, duplicated {report['duplicated']}, "
-          f"wrong answers {len(report['wrong'])}")  # fmt: skip
+    print(f"lost {report['lost']}, duplicated {report['duplicated']}, wrong answers {len(report['wrong'])}")
     for line in report["wrong"][:10]:
         print("  " + line)
     if report["lost"] or report["duplicated"] or report["wrong"] or ran != args.calls:

@@ -87,8 +87,9 @@ class Rollout:
     last_used: float = 0.0
 
 
-def sample_rollouts(n: int, max_response: int, max_turns: int, turn_median: int,
-                    latencies: list[float] | None, seed: int) -> list[Rollout]:  # fmt: skip
+def sample_rollouts(
+    n: int, max_response: int, max_turns: int, turn_median: int, latencies: list[float] | None, seed: int
+) -> list[Rollout]:
     rng = random.Random(seed)
 
     def tool_latency() -> float:
@@ -140,14 +141,11 @@ class Engine:
 
 
 class Simulation:
-    def __init__(self, rollouts: list[Rollout], n_engines: int, hw: Hardware, policy: str,
-                 reserve: int) -> None:  # fmt: skip
+    def __init__(self, rollouts: list[Rollout], n_engines: int, hw: Hardware, policy: str, reserve: int) -> None:
         self.rollouts = rollouts
         self.hw = hw
         self.engines = [Engine(hw) for _ in range(n_engines)]
-        self.scheduler = make_scheduler(
-            policy, [hw.kv_tokens] * n_engines, reserve, range(len(rollouts))
-        )
+        self.scheduler = make_scheduler(policy, [hw.kv_tokens] * n_engines, reserve, range(len(rollouts)))
         self.events: list = []
         self.seq = 0
         self.done = 0
@@ -245,8 +243,11 @@ class Simulation:
                 engine.busy = False
                 return
         k = max(1, min(to_turn_end, to_full, self.hw.max_chunk_steps))
-        step_s = (self.hw.step_base_s + self.hw.step_per_seq_s * n
-                  + self.hw.step_per_context_token_s * (engine.running_context + n * k / 2))  # fmt: skip
+        step_s = (
+            self.hw.step_base_s
+            + self.hw.step_per_seq_s * n
+            + self.hw.step_per_context_token_s * (engine.running_context + n * k / 2)
+        )
         duration = prefill * self.hw.prefill_per_token_s + k * step_s
         engine.tick += k
         engine.used += n * k
@@ -307,8 +308,7 @@ class Simulation:
         }
 
 
-def simulate(policy: str, args: argparse.Namespace, hw: Hardware,
-             reserve: str = "max_length") -> dict:  # fmt: skip
+def simulate(policy: str, args: argparse.Namespace, hw: Hardware, reserve: str = "max_length") -> dict:
     """One step's rollouts under `policy`; for kv_aware, `reserve` is its per-rollout KV reserve
     mode, "observed" taking the mean size of a previous step's rollouts (another sample of the
     same distribution)."""
@@ -317,8 +317,9 @@ def simulate(policy: str, args: argparse.Namespace, hw: Hardware,
         latencies = [float(x) for x in Path(args.tool_latencies).read_text().split()]
 
     def sample(seed: int) -> list[Rollout]:
-        return sample_rollouts(args.prompts * args.samples, args.max_response, args.max_turns,
-                               args.turn_median, latencies, seed)  # fmt: skip
+        return sample_rollouts(
+            args.prompts * args.samples, args.max_response, args.max_turns, args.turn_median, latencies, seed
+        )
 
     rollouts = sample(args.seed)
     max_rollout = max(r.prompt for r in rollouts) + args.max_response
@@ -334,8 +335,11 @@ def simulate(policy: str, args: argparse.Namespace, hw: Hardware,
 
 
 # (label, policy, KV reserve): the baseline, the paper's scheduler, and ours.
-POLICIES = (("static", "static", "max_length"), ("kv_aware", "kv_aware", "max_length"),
-            ("kv_observed", "kv_aware", "observed"))
+POLICIES = (
+    ("static", "static", "max_length"),
+    ("kv_aware", "kv_aware", "max_length"),
+    ("kv_observed", "kv_aware", "observed"),
+)
 
 
 def main() -> None:
@@ -346,34 +350,49 @@ def main() -> None:
     parser.add_argument("--max-response", type=int, default=8192)
     parser.add_argument("--max-turns", type=int, default=10)
     parser.add_argument("--turn-median", type=int, default=900, help="tokens per turn (median)")
-    parser.add_argument("--kv-tokens", default="850000,500000,419430,300000,200000",
-                        help="KV-cache sizes per engine (tokens) to compare at, comma-separated")
+    parser.add_argument(
+        "--kv-tokens",
+        default="850000,500000,419430,300000,200000",
+        help="KV-cache sizes per engine (tokens) to compare at, comma-separated",
+    )
     parser.add_argument("--tool-latencies", default=None, help="file: one latency (s) per line")
-    parser.add_argument("--kv-headroom", type=float, default=1.3,
-                        help="kv_observed reserves this times the previous step's mean rollout")
+    parser.add_argument(
+        "--kv-headroom",
+        type=float,
+        default=1.3,
+        help="kv_observed reserves this times the previous step's mean rollout",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    lengths = sorted(sum(r.turns) + sum(t for t, _ in r.tools) for r in sample_rollouts(
-        args.prompts * args.samples, args.max_response, args.max_turns, args.turn_median, None,
-        args.seed))  # fmt: skip
-    print(f"{args.engines} engines, {args.prompts} x {args.samples} rollouts, budget "
-          f"{args.max_response} response tokens, T = {args.max_turns}; response tokens per "
-          f"rollout: mean {sum(lengths) / len(lengths):.0f}, p50 {lengths[len(lengths) // 2]}, "
-          f"p99 {lengths[int(0.99 * len(lengths))]}, "
-          f"{sum(n >= args.max_response for n in lengths) / len(lengths):.0%} at the budget")  # fmt: skip
-    print(f"{'KV tokens':>9} {'policy':<11} {'slots':>5} {'makespan s':>11} {'idle':>6} "
-          f"{'preempted':>9} {'prefix evicted':>14} {'recomputed tok':>14} {'vs static':>10}")  # fmt: skip
+    lengths = sorted(
+        sum(r.turns) + sum(t for t, _ in r.tools)
+        for r in sample_rollouts(
+            args.prompts * args.samples, args.max_response, args.max_turns, args.turn_median, None, args.seed
+        )
+    )
+    print(
+        f"{args.engines} engines, {args.prompts} x {args.samples} rollouts, budget "
+        f"{args.max_response} response tokens, T = {args.max_turns}; response tokens per "
+        f"rollout: mean {sum(lengths) / len(lengths):.0f}, p50 {lengths[len(lengths) // 2]}, "
+        f"p99 {lengths[int(0.99 * len(lengths))]}, "
+        f"{sum(n >= args.max_response for n in lengths) / len(lengths):.0%} at the budget"
+    )
+    print(
+        f"{'KV tokens':>9} {'policy':<11} {'slots':>5} {'makespan s':>11} {'idle':>6} "
+        f"{'preempted':>9} {'prefix evicted':>14} {'recomputed tok':>14} {'vs static':>10}"
+    )
     for kv in (int(x) for x in args.kv_tokens.split(",")):
         hw = Hardware(kv_tokens=kv)
-        results = {label: simulate(policy, args, hw, reserve)
-                   for label, policy, reserve in POLICIES}  # fmt: skip
+        results = {label: simulate(policy, args, hw, reserve) for label, policy, reserve in POLICIES}
         for name, r in results.items():
             gain = 1 - r["makespan_s"] / results["static"]["makespan_s"]
             slots = r["slots_per_engine"] if name != "static" else "-"
-            print(f"{kv:>9} {name:<11} {slots:>5} {r['makespan_s']:>11.1f} "
-                  f"{r['idle_fraction']:>6.1%} {r['preemptions']:>9} {r['prefix_evictions']:>14} "
-                  f"{r['recomputed_tokens']:>14} {gain:>+10.1%}")  # fmt: skip
+            print(
+                f"{kv:>9} {name:<11} {slots:>5} {r['makespan_s']:>11.1f} "
+                f"{r['idle_fraction']:>6.1%} {r['preemptions']:>9} {r['prefix_evictions']:>14} "
+                f"{r['recomputed_tokens']:>14} {gain:>+10.1%}"
+            )
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM
 
 from tasks.config import LossConfig, OptimConfig, default_config_path, load_config
 from tasks.data.problems import generate_problems
-from tasks.train.sample import Sample
 from tasks.rl.loss import ppo_clip_loss, token_logprobs
+from tasks.train.sample import Sample
 from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer
 
@@ -29,8 +29,10 @@ from tasks.train.trainer import Trainer
 def rl_batch(n: int, length: int, vocab: int, seed: int) -> list[Sample]:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, vocab, (n, length), generator=gen).tolist()
-    return [Sample(row, [0] * (length // 2) + [1] * (length - length // 2), 1.0 if i % 2 else -1.0)
-            for i, row in enumerate(ids)]
+    return [
+        Sample(row, [0] * (length // 2) + [1] * (length - length // 2), 1.0 if i % 2 else -1.0)
+        for i, row in enumerate(ids)
+    ]
 
 
 class PlainTorch:
@@ -38,8 +40,9 @@ class PlainTorch:
 
     def __init__(self, model_dir: Path, optim: OptimConfig):
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas,
-                                           weight_decay=optim.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
+        )
         self.optim = optim
 
     def rl_step(self, samples: list[Sample], loss_cfg: LossConfig) -> None:
@@ -53,8 +56,16 @@ class PlainTorch:
         num_tokens = int(sum(m.sum().item() for _, m, _ in tensors))
         for ids, mask, adv in tensors:
             logp = token_logprobs(self.model(input_ids=ids).logits[:, :-1].float(), ids[:, 1:])
-            loss, _ = ppo_clip_loss(logp, logp.detach(), adv, mask, loss_cfg.eps_low, loss_cfg.eps_high,
-                                    loss_cfg.dual_clip, num_tokens=num_tokens)
+            loss, _ = ppo_clip_loss(
+                logp,
+                logp.detach(),
+                adv,
+                mask,
+                loss_cfg.eps_low,
+                loss_cfg.eps_high,
+                loss_cfg.dual_clip,
+                num_tokens=num_tokens,
+            )
             loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
         self.optimizer.step()
@@ -88,8 +99,10 @@ def main() -> None:
                     times[name].append(time.perf_counter() - started)
     ds, pt = statistics.median(times["deepspeed"]), statistics.median(times["torch"])
     params = sum(p.numel() for p in plain.model.parameters())
-    print(f"model {params / 1e6:.2f}M params, batch {args.samples} x {args.length} tokens, "
-          f"micro-batch {optim.micro_batch_size}, ZeRO-{args.zero_stage}, {args.threads} thread(s), {args.steps} steps")
+    print(
+        f"model {params / 1e6:.2f}M params, batch {args.samples} x {args.length} tokens, "
+        f"micro-batch {optim.micro_batch_size}, ZeRO-{args.zero_stage}, {args.threads} thread(s), {args.steps} steps"
+    )
     print(f"plain torch AdamW : {pt:.3f} s/update (median)")
     print(f"DeepSpeed engine  : {ds:.3f} s/update (median)")
     print(f"ratio DeepSpeed / torch: {ds / pt:.2f}x (target <= 1.3x)")

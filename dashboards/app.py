@@ -38,48 +38,67 @@ st.header("Reward and pass@1")
 left, right = st.columns(2)
 reward = db.execute(
     "SELECT stage || ' ' || lpad(step::VARCHAR, 4, '0') AS step, value AS reward FROM steps "
-    "WHERE run_id = $run AND metric = 'reward_mean' ORDER BY stage, step", q).df()
+    "WHERE run_id = $run AND metric = 'reward_mean' ORDER BY stage, step",
+    q,
+).df()
 left.subheader("Training reward by RL step")
 left.line_chart(reward, x="step", y="reward")
-evaluations = db.execute(
-    "SELECT checkpoint, benchmark, pass_at_1 FROM evaluations WHERE run_id = $run", q).df()
+evaluations = db.execute("SELECT checkpoint, benchmark, pass_at_1 FROM evaluations WHERE run_id = $run", q).df()
 right.subheader("avg@k pass@1 by checkpoint")
 right.bar_chart(evaluations.pivot(index="checkpoint", columns="benchmark", values="pass_at_1"))
 
 st.header("Tool errors: all trajectories vs kept positives")
-errors = db.execute("""
+errors = db.execute(
+    """
     SELECT stage || ' ' || lpad(step::VARCHAR, 4, '0') AS step,
            sum(tool_failures)::DOUBLE / greatest(sum(tool_calls), 1) AS "all trajectories",
            sum(tool_failures) FILTER (kept AND reward > 0)::DOUBLE
                / greatest(sum(tool_calls) FILTER (kept AND reward > 0), 1) AS "kept positives"
-    FROM rollouts WHERE run_id = $run AND stage NOT LIKE 'eval-%' GROUP BY ALL ORDER BY 1""", q).df()
+    FROM rollouts WHERE run_id = $run AND stage NOT LIKE 'eval-%' GROUP BY ALL ORDER BY 1""",
+    q,
+).df()
 st.line_chart(errors, x="step")
 
 st.header("Response length, turns and tool latency")
 cols = st.columns(3)
-shape = db.execute("""
+shape = db.execute(
+    """
     SELECT stage || ' ' || lpad(step::VARCHAR, 4, '0') AS step, avg(response_tokens) AS "response tokens",
            avg(turns) AS turns
-    FROM rollouts WHERE run_id = $run AND stage NOT LIKE 'eval-%' GROUP BY ALL ORDER BY 1""", q).df()
+    FROM rollouts WHERE run_id = $run AND stage NOT LIKE 'eval-%' GROUP BY ALL ORDER BY 1""",
+    q,
+).df()
 cols[0].line_chart(shape, x="step", y="response tokens")
 cols[1].line_chart(shape, x="step", y="turns")
-latency = db.execute("""
+latency = db.execute(
+    """
     SELECT stage || ' ' || lpad(step::VARCHAR, 4, '0') AS step,
            max(value) FILTER (metric = 'time_tool_exec_s') / greatest(max(value) FILTER (metric = 'tool_calls'), 1)
                AS "mean tool latency s"
-    FROM steps WHERE run_id = $run GROUP BY ALL ORDER BY 1""", q).df()
+    FROM steps WHERE run_id = $run GROUP BY ALL ORDER BY 1""",
+    q,
+).df()
 cols[2].line_chart(latency, x="step", y="mean tool latency s")
 
 st.header("Problem drill-down")
-problems = [r[0] for r in db.execute(
-    "SELECT problem_id FROM rollouts WHERE run_id = $run GROUP BY 1 ORDER BY avg(reward) DESC, 1", q).fetchall()]
+problems = [
+    r[0]
+    for r in db.execute(
+        "SELECT problem_id FROM rollouts WHERE run_id = $run GROUP BY 1 ORDER BY avg(reward) DESC, 1", q
+    ).fetchall()
+]
 problem = st.selectbox("Problem", problems)
-rows = db.execute("""
+rows = db.execute(
+    """
     SELECT stage, step, sample, reward, kept, stop_reason, tool_statuses, question, label, predicted, response
     FROM rollouts WHERE run_id = $run AND problem_id = $problem ORDER BY stage, step, sample""",
-    {**q, "problem": problem}).df()
+    {**q, "problem": problem},
+).df()
 st.markdown(f"**{rows['question'].iloc[0]}**  (label {rows['label'].iloc[0]})")
 st.dataframe(rows.drop(columns=["question", "label", "response"]), use_container_width=True)
-choice = st.selectbox("Trajectory", range(len(rows)),
-                      format_func=lambda i: f"{rows['stage'][i]} step {rows['step'][i]} sample {rows['sample'][i]}")
+choice = st.selectbox(
+    "Trajectory",
+    range(len(rows)),
+    format_func=lambda i: f"{rows['stage'][i]} step {rows['step'][i]} sample {rows['sample'][i]}",
+)
 st.code(rows["response"][choice], language=None)

@@ -14,8 +14,14 @@ from tasks.summary.mode_comparison import ablation_command
 
 
 @flow(name="rstar2-ablate", log_prints=True)
-def ablate(config: str = str(default_config_path()), seeds: int = 3, modes: list[str] | None = None,
-           overrides: dict[str, Any] | None = None, name: str = "roc", sft_from: str | None = None) -> str:
+def ablate(
+    config: str = str(default_config_path()),
+    seeds: int = 3,
+    modes: list[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    name: str = "roc",
+    sft_from: str | None = None,
+) -> str:
     """Runs `<name>-s<seed>-<mode>` for seeds 0..seeds-1 and each RoC mode (paper, release, off);
     a seed's later modes start from its first mode's SFT policy, and with `sft_from` (the name of
     an earlier ablation) every mode starts from that ablation's SFT policy of the seed: a paired
@@ -29,8 +35,11 @@ def ablate(config: str = str(default_config_path()), seeds: int = 3, modes: list
         for mode in modes:
             run_id = f"{name}-s{seed}-{mode}"
             run_overrides = {**(overrides or {}), "seed": seed, "rl.roc.mode": mode}
-            source = cfg.run_dir(first) if mode != modes[0] else (
-                sft_run_of(Path(cfg.output_dir) / "runs", sft_from, seed) if sft_from else None)
+            source = (
+                cfg.run_dir(first)
+                if mode != modes[0]
+                else (sft_run_of(Path(cfg.output_dir) / "runs", sft_from, seed) if sft_from else None)
+            )
             if source is not None:
                 start_from_sft_of(source, cfg.run_dir(run_id), load_config(config, run_overrides))
             pipeline(config, run_id, run_overrides)

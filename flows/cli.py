@@ -37,16 +37,27 @@ def main(argv: list[str] | None = None) -> None:
     run = commands.add_parser("run", help="run the whole pipeline")
     run.add_argument("--config", default=str(default_config_path()), help="YAML config (default: tiny)")
     run.add_argument("--run-id", default=None, help="name of the run folder (default: generated)")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config field, e.g. --set rl.roc.mode=off")
-    run.add_argument("--stage", action="append", dest="stages", metavar="NAME",
-                     help="run only this RL stage (repeatable); earlier stages must have finished in the run")
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set rl.roc.mode=off",
+    )
+    run.add_argument(
+        "--stage",
+        action="append",
+        dest="stages",
+        metavar="NAME",
+        help="run only this RL stage (repeatable); earlier stages must have finished in the run",
+    )
     evaluate = commands.add_parser("evaluate", help="evaluate a saved policy of a run")
     evaluate.add_argument("--run-id", required=True)
     evaluate.add_argument("--checkpoint", default="sft", help="base, sft or an RL stage's name")
     evaluate.add_argument("--label", default=None, help="name of this evaluation (default: the checkpoint)")
-    evaluate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                          help="override an eval setting, e.g. --set k=64")
+    evaluate.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override an eval setting, e.g. --set k=64"
+    )
     evaluate.add_argument("--output-dir", default="outputs")
     ablate = commands.add_parser("ablate", help="the RoC ablation: paper / release / off over seeds, one report")
     ablate.add_argument("--config", default=str(default_config_path()), help="YAML config (default: tiny)")
@@ -54,8 +65,12 @@ def main(argv: list[str] | None = None) -> None:
     ablate.add_argument("--modes", nargs="+", default=["paper", "release", "off"], choices=["paper", "release", "off"])
     ablate.add_argument("--name", default="roc", help="runs <name>-s<seed>-<mode>, report outputs/ablations/<name>")
     ablate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-    ablate.add_argument("--sft-from", default=None, metavar="NAME",
-                        help="start every run from ablation NAME's SFT policy of its seed (compare RL settings)")
+    ablate.add_argument(
+        "--sft-from",
+        default=None,
+        metavar="NAME",
+        help="start every run from ablation NAME's SFT policy of its seed (compare RL settings)",
+    )
     query = commands.add_parser("query", help="run SQL on the DuckDB views (dashboards/views.sql)")
     query.add_argument("sql", help='e.g. "SELECT stage, step, avg(reward) FROM rollouts GROUP BY ALL"')
     query.add_argument("--runs", default="outputs/runs/*", help="run folder or glob (default: every run)")
@@ -68,14 +83,25 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "evaluate":
         from flows.evaluate import evaluate_checkpoint
 
-        evaluate_checkpoint(run_id=args.run_id, checkpoint=args.checkpoint, label=args.label,
-                            eval_overrides=_overrides(args.set), output_dir=args.output_dir)
+        evaluate_checkpoint(
+            run_id=args.run_id,
+            checkpoint=args.checkpoint,
+            label=args.label,
+            eval_overrides=_overrides(args.set),
+            output_dir=args.output_dir,
+        )
         return
     if args.command == "ablate":
         from flows.ablate import ablate
 
-        ablate(config=args.config, seeds=args.seeds, modes=args.modes, overrides=_overrides(args.set), name=args.name,
-               sft_from=args.sft_from)
+        ablate(
+            config=args.config,
+            seeds=args.seeds,
+            modes=args.modes,
+            overrides=_overrides(args.set),
+            name=args.name,
+            sft_from=args.sft_from,
+        )
         return
     from flows.pipeline import pipeline
 

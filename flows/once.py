@@ -11,8 +11,9 @@ from tasks.resume import finished, mark_finished
 from tasks.store.run_folder import RunContext
 
 
-def run_once(ctx: RunContext, name: str, work: Callable[[str], Any], mlflow_stage: str | None = None,
-             params: dict | None = None) -> Any:
+def run_once(
+    ctx: RunContext, name: str, work: Callable[[str], Any], mlflow_stage: str | None = None, params: dict | None = None
+) -> Any:
     """The recorded result of stage `name`, or `work(mlflow_run_id)`'s, recorded. With
     `mlflow_stage` the work gets a nested MLflow run of its own (that name, `params`), ended when
     the work is done; without, it logs to the pipeline run's."""

@@ -23,8 +23,12 @@ from tasks.runtime import Runtime
 
 
 @flow(name="rstar2-pipeline", log_prints=True)
-def pipeline(config: str = str(default_config_path()), run_id: str | None = None,
-             overrides: dict[str, Any] | None = None, stages: list[str] | None = None) -> dict:
+def pipeline(
+    config: str = str(default_config_path()),
+    run_id: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    stages: list[str] | None = None,
+) -> dict:
     """`stages`: the RL stages to run (default: all), e.g. one stage of an earlier run, given its
     run id; the stages before it must have finished in that run."""
     cfg = load_config(config, overrides)

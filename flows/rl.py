@@ -25,8 +25,15 @@ from tasks.store.run_folder import RunContext
 
 
 @flow(name="rl-step", log_prints=True, validate_parameters=False)
-def rl_step(cfg: RunConfig, ctx: RunContext, runtime: Runtime, stage: StageConfig, step: int,
-            problems: list[Problem], stage_run: str) -> dict:
+def rl_step(
+    cfg: RunConfig,
+    ctx: RunContext,
+    runtime: Runtime,
+    stage: StageConfig,
+    step: int,
+    problems: list[Problem],
+    stage_run: str,
+) -> dict:
     batch_problems = sample_problems(problems, stage.problems_per_step, cfg.seed, stage.name, step)
     rollouts = roll_out(runtime, batch_problems, cfg.rl.rollouts_per_problem, stage, desc=f"{stage.name} step {step}")
     rollouts = score(runtime, rollouts)
@@ -39,16 +46,24 @@ def rl_step(cfg: RunConfig, ctx: RunContext, runtime: Runtime, stage: StageConfi
 
 
 @flow(name="rl-stage", log_prints=True, validate_parameters=False)
-def rl_stage(cfg: RunConfig, ctx: RunContext, runtime: Runtime, stage: StageConfig,
-             problems: list[Problem], total_steps: int) -> int:
+def rl_stage(
+    cfg: RunConfig, ctx: RunContext, runtime: Runtime, stage: StageConfig, problems: list[Problem], total_steps: int
+) -> int:
     def train(stage_run: str) -> int:
         prepare_trainer(runtime, total_steps, stage.reset_optimizer)
         first = resume_stage(runtime, ctx, cfg, stage, stage_run)
         stage_problems = problems
         if stage.hard_only:
-            hard = run_once(ctx, f"difficulty-{stage.name}", lambda _: keep_unsolved(
-                ctx, stage_run, score(runtime, roll_out(runtime, problems, stage.difficulty_attempts, stage,
-                                                        desc="difficulty")), stage.difficulty_attempts))
+            hard = run_once(
+                ctx,
+                f"difficulty-{stage.name}",
+                lambda _: keep_unsolved(
+                    ctx,
+                    stage_run,
+                    score(runtime, roll_out(runtime, problems, stage.difficulty_attempts, stage, desc="difficulty")),
+                    stage.difficulty_attempts,
+                ),
+            )
             stage_problems = select_problems(problems, hard)
         progress = track_progress(None, stage.name, first, stage.steps)
         for step in range(first, stage.steps):

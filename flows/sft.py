@@ -13,12 +13,22 @@ from tasks.store.run_folder import RunContext
 @flow(name="base-model", log_prints=True, validate_parameters=False)
 def base_model(cfg: RunConfig, ctx: RunContext, train_path: Path) -> list:
     """[model dir, pre-training steps]: the configured model, or the tiny one built and pre-trained."""
-    return run_once(ctx, "base", lambda stage_run: build_base_model(cfg, ctx, train_path, stage_run),
-                    mlflow_stage="base", params=cfg.model.model_dump(mode="json"))
+    return run_once(
+        ctx,
+        "base",
+        lambda stage_run: build_base_model(cfg, ctx, train_path, stage_run),
+        mlflow_stage="base",
+        params=cfg.model.model_dump(mode="json"),
+    )
 
 
 @flow(name="sft", log_prints=True, validate_parameters=False)
 def sft(cfg: RunConfig, ctx: RunContext, base_dir: Path) -> list:
     """[model dir, steps] of the SFT policy."""
-    return run_once(ctx, "sft", lambda stage_run: train_sft(cfg, ctx, base_dir, stage_run),
-                    mlflow_stage="sft", params=cfg.sft.model_dump(mode="json"))
+    return run_once(
+        ctx,
+        "sft",
+        lambda stage_run: train_sft(cfg, ctx, base_dir, stage_run),
+        mlflow_stage="sft",
+        params=cfg.sft.model_dump(mode="json"),
+    )

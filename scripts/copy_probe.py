@@ -24,8 +24,8 @@ import torch
 from transformers import AutoTokenizer
 
 from tasks.config import OptimConfig, TinyModelConfig
-from tasks.data.problems import generate_problems
 from tasks.data.pretrain import pretraining_phases
+from tasks.data.problems import generate_problems
 from tasks.train.supervised import epoch_batches
 from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer
@@ -40,7 +40,7 @@ def probe(model, tokenizer, problems) -> tuple[float, float]:
     for p in problems:
         ids = tokenizer(p.question + "\n", return_tensors="pt").input_ids
         out = model.generate(ids, max_new_tokens=60, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        program = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        program = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         exact += program.startswith(p.solution_code)
         wanted = re.findall(r"\d+", p.question)
         written = set(re.findall(r"\d+", program.split("\n\n")[0]))
@@ -62,15 +62,26 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
-    tiny = TinyModelConfig(vocab_size=2048, hidden_size=192, num_layers=4, num_heads=3, num_kv_heads=args.kv_heads,
-                           intermediate_size=512, max_position_embeddings=1024, pretrain_steps=args.steps,
-                           pretrain_copy_share=args.copy_share, pretrain_batch_size=args.batch,
-                           pretrain_seq_len=args.seq_len, pretrain_lr=args.lr)
+    tiny = TinyModelConfig(
+        vocab_size=2048,
+        hidden_size=192,
+        num_layers=4,
+        num_heads=3,
+        num_kv_heads=args.kv_heads,
+        intermediate_size=512,
+        max_position_embeddings=1024,
+        pretrain_steps=args.steps,
+        pretrain_copy_share=args.copy_share,
+        pretrain_batch_size=args.batch,
+        pretrain_seq_len=args.seq_len,
+        pretrain_lr=args.lr,
+    )
     corpus = [p.question + "\n" + p.solution_code for p in generate_problems(256, LEVELS, 0)]
     model_dir = build_tiny_model(tiny, corpus, 0, Path(tempfile.mkdtemp(prefix="copy-probe-")))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    optim = OptimConfig(lr=args.lr, schedule="constant", warmup_steps=args.steps // 40, zero_stage=1,
-                        micro_batch_size=16)
+    optim = OptimConfig(
+        lr=args.lr, schedule="constant", warmup_steps=args.steps // 40, zero_stage=1, micro_batch_size=16
+    )
     trainer = Trainer(model_dir, optim, args.steps, "float32", 0, args.threads)
     problems = generate_problems(64, LEVELS, seed=777)
     step, started = 0, time.perf_counter()
@@ -80,8 +91,19 @@ def main() -> None:
             step += 1
             if step % args.every == 0:
                 exact, numbers = probe(trainer.engine.module, tokenizer, problems)
-                print(json.dumps({"step": step, "loss": round(metrics["loss"], 3), "exact": exact,
-                                  "numbers": round(numbers, 3), "s": round(time.perf_counter() - started)}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "loss": round(metrics["loss"], 3),
+                            "exact": exact,
+                            "numbers": round(numbers, 3),
+                            "s": round(time.perf_counter() - started),
+                        }
+                    ),
+                    flush=True,
+                )
+
 
 if __name__ == "__main__":
     main()

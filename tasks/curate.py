@@ -42,10 +42,14 @@ def keep_consensus(ctx: RunContext, attempts: Rollouts, m: int) -> list[str]:
     """The ids of the problems whose label the policy reached at least m times."""
     kept, counts = problem_sets.apply_consensus(ctx.run_dir, attempts, m)
     create_table_artifact(counts, key="curation", description="Rows each curation filter removed")
-    Tracker(ctx.output_dir).log_metrics(ctx.mlflow_run_id, {"curation/consensus_removed": counts[-1]["removed"],
-                                                             "curation/kept_after_consensus": len(kept)})
-    print(f"curation        consensus: {counts[-1]['in']:>6} in, {counts[-1]['removed']:>6} removed, "
-          f"{len(kept):>6} kept (label reached >= {m})")
+    Tracker(ctx.output_dir).log_metrics(
+        ctx.mlflow_run_id,
+        {"curation/consensus_removed": counts[-1]["removed"], "curation/kept_after_consensus": len(kept)},
+    )
+    print(
+        f"curation        consensus: {counts[-1]['in']:>6} in, {counts[-1]['removed']:>6} removed, "
+        f"{len(kept):>6} kept (label reached >= {m})"
+    )
     return [p.problem_id for p in kept]
 
 

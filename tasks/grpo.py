@@ -82,10 +82,15 @@ def keep_unsolved(ctx: RunContext, stage_run_id: str, attempts: Rollouts, k: int
     hard, histogram = rl_batch.keep_unsolved(attempts, k)
     metrics = {f"difficulty/solved_{j}_of_{k}": n for j, n in histogram.items()}
     Tracker(ctx.output_dir).log_metrics(stage_run_id, {**metrics, "difficulty/kept": len(hard)})
-    create_table_artifact([{"solved": f"{j} of {k}", "problems": n} for j, n in histogram.items()],
-                          key="difficulty-filter", description="Problems by attempts solved")
-    print(f"difficulty filter: kept {len(hard)} of {len(attempts.problems)} problems (solved < {k}/{k}); "
-          f"solved-attempts histogram { {j: n for j, n in histogram.items() if n} }")
+    create_table_artifact(
+        [{"solved": f"{j} of {k}", "problems": n} for j, n in histogram.items()],
+        key="difficulty-filter",
+        description="Problems by attempts solved",
+    )
+    print(
+        f"difficulty filter: kept {len(hard)} of {len(attempts.problems)} problems (solved < {k}/{k}); "
+        f"solved-attempts histogram { {j: n for j, n in histogram.items() if n} }"
+    )
     return [p.problem_id for p in hard]
 
 
@@ -113,16 +118,27 @@ def resume_stage(runtime: Runtime, ctx: RunContext, cfg: RunConfig, stage: Stage
 
 
 @task(cache_policy=NO_CACHE)
-def record_step(ctx: RunContext, stage_run_id: str, stage: StageConfig, step: int, rollouts: Rollouts,
-                batch: TrainingBatch, update: dict) -> dict:
+def record_step(
+    ctx: RunContext,
+    stage_run_id: str,
+    stage: StageConfig,
+    step: int,
+    rollouts: Rollouts,
+    batch: TrainingBatch,
+    update: dict,
+) -> dict:
     """All of a step's metrics, to the steps table and then MLflow."""
     metrics = rl_batch.step_metrics(rollouts, batch, update)
-    rows = [{"run_id": ctx.run_id, "stage": stage.name, "step": step, "metric": k, "value": float(v)}
-            for k, v in metrics.items()]
+    rows = [
+        {"run_id": ctx.run_id, "stage": stage.name, "step": step, "metric": k, "value": float(v)}
+        for k, v in metrics.items()
+    ]
     # The table row marks the step done (see resume_stage); MLflow follows, at most once per step.
     write_table(rows, STEPS, step_part(ctx.run_dir, "steps", stage.name, step))
     Tracker(ctx.output_dir).log_step_once(stage_run_id, metrics, step)
-    print(f"[{stage.name} step {step}] reward {metrics['reward_mean']:.3f} kept {metrics['kept']} "
-          f"tool calls {metrics['tool_calls']} errors {metrics['tool_errors']} "
-          f"rollout {rollouts.times.total_s:.1f}s update {update.get('time_update_s', 0.0):.1f}s")
+    print(
+        f"[{stage.name} step {step}] reward {metrics['reward_mean']:.3f} kept {metrics['kept']} "
+        f"tool calls {metrics['tool_calls']} errors {metrics['tool_errors']} "
+        f"rollout {rollouts.times.total_s:.1f}s update {update.get('time_update_s', 0.0):.1f}s"
+    )
     return metrics

@@ -40,7 +40,14 @@ def score(runtime: Runtime, rollouts: Rollouts) -> Rollouts:
 
 
 @task(cache_policy=NO_CACHE)
-def write_rollouts(run_id: str, run_dir: Path, stage: str, step: int, rollouts: Rollouts,
-                   kept: list[bool] | None = None, advantages: list[float] | None = None) -> Path:
+def write_rollouts(
+    run_id: str,
+    run_dir: Path,
+    stage: str,
+    step: int,
+    rollouts: Rollouts,
+    kept: list[bool] | None = None,
+    advantages: list[float] | None = None,
+) -> Path:
     rows = rollout_rows(run_id, stage, step, rollouts, kept, advantages)
     return write_table(rows, ROLLOUTS, step_part(run_dir, "rollouts", stage, step))

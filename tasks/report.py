@@ -58,10 +58,20 @@ def track_progress(artifact_id: UUID | None, stage: str, done: int, total: int) 
 def publish_stage_summary(ctx: RunContext, stage: str) -> None:
     """The stage's steps (from the steps table, so a resumed stage shows all of them) as a Prefect
     table artifact: reward, kept, tool use, length, timing."""
-    columns = ("reward_mean", "kept", "tool_call_rate", "tool_error_rate", "response_length_mean",
-               "engine_idle_fraction", "time_rollout_s", "time_update_s")
-    rows = [{"step": step, **{c: round(float(m[c]), 4) for c in columns if c in m}}
-            for step, m in stage_steps(ctx.run_dir, stage).items()]
+    columns = (
+        "reward_mean",
+        "kept",
+        "tool_call_rate",
+        "tool_error_rate",
+        "response_length_mean",
+        "engine_idle_fraction",
+        "time_rollout_s",
+        "time_update_s",
+    )
+    rows = [
+        {"step": step, **{c: round(float(m[c]), 4) for c in columns if c in m}}
+        for step, m in stage_steps(ctx.run_dir, stage).items()
+    ]
     key = "stage-summary-" + "".join(c if c.isalnum() else "-" for c in stage.lower())
     create_table_artifact(rows, key=key, description=f"RL stage {stage}, one row per step")
 
@@ -75,11 +85,15 @@ def summarize_eval(ctx: RunContext, label: str, benchmark: str, rollouts: Rollou
     prefix = f"eval/{label}" if benchmark == "heldout" else f"eval/{label}/{benchmark}"
     tracker = Tracker(ctx.output_dir)
     tracker.log_metrics(ctx.mlflow_run_id, {f"{prefix}/{key}": v for key, v in metrics.items()})
-    table = write_table([row], EVALUATIONS, partition(ctx.run_dir, "evaluations", checkpoint=label, benchmark=benchmark))
+    table = write_table(
+        [row], EVALUATIONS, partition(ctx.run_dir, "evaluations", checkpoint=label, benchmark=benchmark)
+    )
     for path in (table, write_json(samples, table.with_name("samples.json"))):
         tracker.log_artifact(ctx.mlflow_run_id, path, f"evaluations/{label}/{benchmark}")
-    print(f"[eval {label} / {benchmark}] pass@1 (avg@{k}) {metrics['pass_at_1']:.3f}, tool-call rate "
-          f"{metrics['tool_call_rate']:.2f}, tool-error rate {metrics['tool_error_rate']:.2f}")
+    print(
+        f"[eval {label} / {benchmark}] pass@1 (avg@{k}) {metrics['pass_at_1']:.3f}, tool-call rate "
+        f"{metrics['tool_call_rate']:.2f}, tool-error rate {metrics['tool_error_rate']:.2f}"
+    )
     return metrics
 
 
@@ -89,8 +103,9 @@ def start_stopwatch(ctx: RunContext) -> run_card.Stopwatch:
 
 
 @task(cache_policy=NO_CACHE)
-def stage_row(stage: str, steps: int | None, before: dict | None, after: dict | None,
-              clock: run_card.Stopwatch) -> dict:
+def stage_row(
+    stage: str, steps: int | None, before: dict | None, after: dict | None, clock: run_card.Stopwatch
+) -> dict:
     """The stage's row of the report card; its wall time counts from the end of the stage before."""
     return run_card.stage_row(stage, steps, before, after, clock)
 

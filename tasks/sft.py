@@ -8,8 +8,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.config import RunConfig
-from tasks.data.problem_sets import load_problems
 from tasks.data.chat_examples import sft_examples
+from tasks.data.problem_sets import load_problems
 from tasks.store.run_folder import RunContext
 from tasks.tracking.mlflow_log import Tracker
 from tasks.train import supervised
@@ -20,8 +20,12 @@ def build_base_model(cfg: RunConfig, ctx: RunContext, train_path: Path, stage_ru
     """A real model directory from the config, or the tiny model built (and pre-trained) from
     scratch; returns the directory and the pre-training steps."""
     tracker = Tracker(ctx.output_dir)
-    return supervised.build_base_model(cfg, load_problems(train_path), ctx.policy_dir("base"),
-                                       lambda metrics, step: tracker.log_metrics(stage_run_id, metrics, step))
+    return supervised.build_base_model(
+        cfg,
+        load_problems(train_path),
+        ctx.policy_dir("base"),
+        lambda metrics, step: tracker.log_metrics(stage_run_id, metrics, step),
+    )
 
 
 @task(cache_policy=NO_CACHE)
@@ -31,5 +35,10 @@ def train_sft(cfg: RunConfig, ctx: RunContext, base_dir: Path, stage_run_id: str
     tracker = Tracker(ctx.output_dir)
     examples, counts = sft_examples(cfg)
     tracker.log_metrics(ctx.mlflow_run_id, counts)
-    return supervised.train_sft(cfg, examples, base_dir, ctx.policy_dir("sft"),
-                                lambda metrics, step: tracker.log_metrics(stage_run_id, metrics, step))
+    return supervised.train_sft(
+        cfg,
+        examples,
+        base_dir,
+        ctx.policy_dir("sft"),
+        lambda metrics, step: tracker.log_metrics(stage_run_id, metrics, step),
+    )

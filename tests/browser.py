@@ -17,8 +17,16 @@ from pathlib import Path
 import aiohttp
 
 # No first-run pings, component updates or sync: this machine has no network beyond loopback.
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def _free_port() -> int:
@@ -36,9 +44,18 @@ def render(url: str, ready_js: str, screenshot: Path, timeout_s: float = 90.0) -
     # Chromium's helper processes may still write to the profile while they die.
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         browser = subprocess.Popen(
-            [chromium, *FLAGS, f"--user-data-dir={profile}", "--window-size=1400,3600",
-             f"--remote-debugging-port={port}", "--remote-debugging-address=127.0.0.1", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            [
+                chromium,
+                *FLAGS,
+                f"--user-data-dir={profile}",
+                "--window-size=1400,3600",
+                f"--remote-debugging-port={port}",
+                "--remote-debugging-address=127.0.0.1",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         try:
             return asyncio.run(_drive(port, url, ready_js, screenshot, timeout_s))
@@ -58,7 +75,10 @@ async def _drive(port: int, url: str, ready_js: str, screenshot: Path, timeout_s
             if time.monotonic() > deadline:
                 raise TimeoutError("chromium's DevTools endpoint never answered") from None
             await asyncio.sleep(0.1)
-    async with aiohttp.ClientSession() as session, session.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as ws,
+    ):
         calls = 0
 
         async def call(method: str, **params) -> dict:

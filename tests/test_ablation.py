@@ -12,14 +12,26 @@ NAN = math.nan
 
 
 def _run(seed: int, mode: str, sft: float, final: float, shares: list[float]) -> RunResult:
-    return RunResult(seed, mode, f"roc-s{seed}-{mode}", {"base": 0.0, "sft": sft, "stage1": final},
-                     {"reward_mean": [0.1] * len(shares), "roc/kept_pos_tool_error_share": shares,
-                      DRAWN_SHARE: [0.4] * len(shares), "response_length_mean": [50.0] * len(shares)}, [len(shares)])
+    return RunResult(
+        seed,
+        mode,
+        f"roc-s{seed}-{mode}",
+        {"base": 0.0, "sft": sft, "stage1": final},
+        {
+            "reward_mean": [0.1] * len(shares),
+            "roc/kept_pos_tool_error_share": shares,
+            DRAWN_SHARE: [0.4] * len(shares),
+            "response_length_mean": [50.0] * len(shares),
+        },
+        [len(shares)],
+    )
 
 
 RESULTS = [
-    _run(0, "paper", 0.2, 0.5, [0.2, 0.0, NAN]), _run(1, "paper", 0.3, 0.5, [0.1, 0.1]),
-    _run(0, "off", 0.2, 0.4, [0.3, 0.3, NAN]), _run(1, "off", 0.3, 0.4, [0.2, 0.2]),
+    _run(0, "paper", 0.2, 0.5, [0.2, 0.0, NAN]),
+    _run(1, "paper", 0.3, 0.5, [0.1, 0.1]),
+    _run(0, "off", 0.2, 0.4, [0.3, 0.3, NAN]),
+    _run(1, "off", 0.3, 0.4, [0.2, 0.2]),
 ]
 
 
@@ -38,8 +50,12 @@ def test_gain_and_error_share_are_averaged_per_seed_then_over_seeds() -> None:
 
 
 def test_positive_error_share_counts_positives_with_any_failed_call() -> None:
-    rows = [{"reward": 1.0, "tool_failures": 0}, {"reward": 1.0, "tool_failures": 2},
-            {"reward": 0.0, "tool_failures": 1}, {"reward": 1.0, "tool_failures": 0}]
+    rows = [
+        {"reward": 1.0, "tool_failures": 0},
+        {"reward": 1.0, "tool_failures": 2},
+        {"reward": 0.0, "tool_failures": 1},
+        {"reward": 1.0, "tool_failures": 0},
+    ]
     assert positive_error_share(rows) == pytest.approx(1 / 3)
     assert math.isnan(positive_error_share(rows[2:3]))
 
@@ -48,8 +64,9 @@ def test_a_mode_without_positives_reports_nan_not_zero(tmp_path) -> None:
     numbers = compare([_run(0, "paper", 0.0, 0.0, [NAN, NAN]), _run(0, "off", 0.0, 0.0, [NAN])])
     assert math.isnan(numbers["modes"]["paper"]["error_share"][0])
     assert math.isnan(numbers["relative_reduction"])
-    report = write_report([_run(0, "paper", 0.0, 0.0, [NAN]), _run(0, "off", 0.0, 0.0, [NAN])],
-                                      tmp_path, "rstar2 ablate").read_text()
+    report = write_report(
+        [_run(0, "paper", 0.0, 0.0, [NAN]), _run(0, "off", 0.0, 0.0, [NAN])], tmp_path, "rstar2 ablate"
+    ).read_text()
     assert "| paper | 0.000 ± 0.000 | 0.000 ± 0.000 | +0.0 ± 0.0 | n/a | 40.0 ± 0.0 |" in report
     assert "not measurable" in report
 
@@ -75,17 +92,34 @@ def test_ablate_flow_runs_each_mode_from_one_sft_policy_and_reports(tmp_path) ->
     from flows.ablate import ablate
     from tasks.config import default_config_path
 
-    overrides = {"output_dir": str(tmp_path), "data.n_train": 24, "data.n_heldout": 4, "model.tiny.pretrain_steps": 2,
-                 "sft.n_examples": 64, "sft.epochs": 1, "rl.group_size": 2, "eval.k": 2, "eval.max_turns": 2,
-                 "eval.max_response_tokens": 96,
-                 "rl.stages": [{"name": "stage1", "steps": 2, "max_response_tokens": 96, "max_turns": 2,
-                                "problems_per_step": 2}]}
+    overrides = {
+        "output_dir": str(tmp_path),
+        "data.n_train": 24,
+        "data.n_heldout": 4,
+        "model.tiny.pretrain_steps": 2,
+        "sft.n_examples": 64,
+        "sft.epochs": 1,
+        "rl.group_size": 2,
+        "eval.k": 2,
+        "eval.max_turns": 2,
+        "eval.max_response_tokens": 96,
+        "rl.stages": [
+            {"name": "stage1", "steps": 2, "max_response_tokens": 96, "max_turns": 2, "problems_per_step": 2}
+        ],
+    }
     with prefect_test_harness(server_startup_timeout=180):
-        report = ablate(config=str(default_config_path()), seeds=1, modes=["paper", "off"], overrides=overrides,
-                        name="t")
+        report = ablate(
+            config=str(default_config_path()), seeds=1, modes=["paper", "off"], overrides=overrides, name="t"
+        )
         # another RL setting from the same SFT policy
-        paired = ablate(config=str(default_config_path()), seeds=1, modes=["paper"], name="u", sft_from="t",
-                        overrides={**overrides, "rl.optim.lr": 1e-5})
+        paired = ablate(
+            config=str(default_config_path()),
+            seeds=1,
+            modes=["paper"],
+            name="u",
+            sft_from="t",
+            overrides={**overrides, "rl.optim.lr": 1e-5},
+        )
     paper, off = tmp_path / "runs" / "t-s0-paper", tmp_path / "runs" / "t-s0-off"
     sft = (paper / "models" / "sft" / "model.safetensors").read_bytes()
     assert (off / "models" / "sft" / "model.safetensors").read_bytes() == sft
@@ -105,8 +139,13 @@ def test_ablate_flow_runs_each_mode_from_one_sft_policy_and_reports(tmp_path) ->
 
 def _finished_sft_run(run_dir: Path, cfg) -> Path:
     """A run folder as the pipeline leaves it after SFT (files with placeholder contents)."""
-    for folder in ("data", "models/base", "models/sft", "evaluations/checkpoint=sft/benchmark=heldout",
-                   "rollouts/stage=eval-sft/step=0"):
+    for folder in (
+        "data",
+        "models/base",
+        "models/sft",
+        "evaluations/checkpoint=sft/benchmark=heldout",
+        "rollouts/stage=eval-sft/step=0",
+    ):
         (run_dir / folder).mkdir(parents=True)
         (run_dir / folder / "part-0.parquet").write_bytes(b"rows")
     (run_dir / "state").mkdir()
@@ -117,8 +156,8 @@ def _finished_sft_run(run_dir: Path, cfg) -> Path:
 
 
 def test_a_run_starts_from_another_runs_sft_policy_only_if_their_configs_differ_in_rl_alone(tmp_path) -> None:
-    from tasks.summary.mode_comparison import sft_run_of, start_from_sft_of
     from tasks.config import default_config_path, load_config
+    from tasks.summary.mode_comparison import sft_run_of, start_from_sft_of
 
     def cfg(**overrides):
         return load_config(default_config_path(), {"output_dir": str(tmp_path), **overrides})

@@ -25,8 +25,16 @@ def _trajectory(problem: str, sample: int, statuses: list[ToolStatus], turns: in
 
 
 def test_failures_come_from_statuses_and_sandbox_outages_do_not_count():
-    statuses = [ToolStatus.OK, ToolStatus.PARSE_ERROR, ToolStatus.TIMEOUT, ToolStatus.MEMORY,
-                ToolStatus.OUTPUT_LIMIT, ToolStatus.ERROR, ToolStatus.INTERNAL, ToolStatus.OK]
+    statuses = [
+        ToolStatus.OK,
+        ToolStatus.PARSE_ERROR,
+        ToolStatus.TIMEOUT,
+        ToolStatus.MEMORY,
+        ToolStatus.OUTPUT_LIMIT,
+        ToolStatus.ERROR,
+        ToolStatus.INTERNAL,
+        ToolStatus.OK,
+    ]
     score = trajectory_score(_trajectory("p", 0, statuses, turns=9), reward=1.0, answer_blocks=1)
     assert (score.tool_calls, score.tool_failures) == (8, 5)
     assert p_err(score) == 5 / 8

@@ -15,18 +15,33 @@ from tasks.data.filters import decontaminate, exact_duplicates, near_duplicates,
 from tasks.data.sources import RawProblem, SourceError, load_source
 from tasks.store.tables import read_table
 
-AIME_PROBLEM = ("Every morning Aya goes for a 9-kilometer-long walk and stops at a coffee shop afterwards. "
-                "When she walks at a constant speed of s kilometers per hour, the walk takes her 4 hours.")
+AIME_PROBLEM = (
+    "Every morning Aya goes for a 9-kilometer-long walk and stops at a coffee shop afterwards. "
+    "When she walks at a constant speed of s kilometers per hour, the walk takes her 4 hours."
+)
 
 
 def raw(row_id: str, question: str, answer: str = "1") -> RawProblem:
     return RawProblem(row_id, "t", question, answer)
 
 
-@pytest.mark.parametrize("text, value", [
-    ("42", 42), (" -7 ", -7), ("$12$", 12), ("\\boxed{1,024}", 1024), ("12.0", 12), ("+3", 3), ("1,234,567", 1234567),
-    ("3.5", None), ("\\frac{1}{2}", None), ("x = 4", None), ("", None), ("1,23", None),
-])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("42", 42),
+        (" -7 ", -7),
+        ("$12$", 12),
+        ("\\boxed{1,024}", 1024),
+        ("12.0", 12),
+        ("+3", 3),
+        ("1,234,567", 1234567),
+        ("3.5", None),
+        ("\\frac{1}{2}", None),
+        ("x = 4", None),
+        ("", None),
+        ("1,23", None),
+    ],
+)
 def test_parse_integer(text, value) -> None:
     assert parse_integer(text) == value
 
@@ -49,8 +64,9 @@ def test_near_duplicates_need_the_same_numbers() -> None:
 def test_decontamination_on_shared_8_grams() -> None:
     evaluation = [raw("aime:1", AIME_PROBLEM)]
     leaked = "Solve this. " + " ".join(AIME_PROBLEM.split()[3:12]) + " and more."
-    kept, rejected = decontaminate([raw("x", leaked), raw("y", "Compute 2 + 2 for the coffee shop walk.")],
-                                   evaluation, 8)
+    kept, rejected = decontaminate(
+        [raw("x", leaked), raw("y", "Compute 2 + 2 for the coffee shop walk.")], evaluation, 8
+    )
     assert [r.row_id for r in kept] == ["y"] and rejected[0].reason == "shares a 8-gram with aime:1"
 
 
@@ -60,15 +76,23 @@ def test_decontamination_on_shared_8_grams() -> None:
 
 def write_dapo(path: Path) -> None:
     """DAPO-Math-17k: the problem is the first chat message, the label in reward_model."""
+
     def row(i: int, question: str, answer: str) -> dict:
-        return {"data_source": "math_dapo", "prompt": [{"content": question, "role": "user"}], "ability": "MATH",
-                "reward_model": {"ground_truth": answer, "style": "rule-lighteval/MATH_v2"},
-                "extra_info": {"index": f"dapo-{i}", "split": "default"}}
-    rows = [row(0, "What is 17 * 23?", "391"),
-            row(1, "How many primes are below 100?", "25"),
-            row(2, "Solve this. " + " ".join(AIME_PROBLEM.split()[:10]) + ", then add 1.", "5"),  # contaminated
-            row(3, "What is 2 to the power 50?", "1125899906842624"),  # 16 digits: huge
-            row(4, "Compute the sum of the first 10 positive integers.", "55")]
+        return {
+            "data_source": "math_dapo",
+            "prompt": [{"content": question, "role": "user"}],
+            "ability": "MATH",
+            "reward_model": {"ground_truth": answer, "style": "rule-lighteval/MATH_v2"},
+            "extra_info": {"index": f"dapo-{i}", "split": "default"},
+        }
+
+    rows = [
+        row(0, "What is 17 * 23?", "391"),
+        row(1, "How many primes are below 100?", "25"),
+        row(2, "Solve this. " + " ".join(AIME_PROBLEM.split()[:10]) + ", then add 1.", "5"),  # contaminated
+        row(3, "What is 2 to the power 50?", "1125899906842624"),  # 16 digits: huge
+        row(4, "Compute the sum of the first 10 positive integers.", "55"),
+    ]
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
@@ -83,15 +107,23 @@ def write_open_math_reasoning(path: Path) -> None:
         {"problem": "Compute the sum of the first 10 positive integers, please.", "expected_answer": "55"},  # near
     ]
     for r in rows:
-        r.update(generated_solution="...", generation_model="DeepSeek-R1", problem_type="has_answer_extracted",
-                 problem_source="aops_c4", inference_mode="tir", pass_rate_72b_tir="0.5")
+        r.update(
+            generated_solution="...",
+            generation_model="DeepSeek-R1",
+            problem_type="has_answer_extracted",
+            problem_source="aops_c4",
+            inference_mode="tir",
+            pass_rate_72b_tir="0.5",
+        )
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
 def write_euler(path: Path) -> None:
-    rows = [{"id": 1, "problem": "Find the sum of all the multiples of 3 or 5 below 1000.", "answer": "233168"},
-            {"id": 2, "problem": 12345, "answer": "1"},  # wrong type
-            {"id": 3, "problem": "Find the largest prime factor of 600851475143.", "answer": 6857}]
+    rows = [
+        {"id": 1, "problem": "Find the sum of all the multiples of 3 or 5 below 1000.", "answer": "233168"},
+        {"id": 2, "problem": 12345, "answer": "1"},  # wrong type
+        {"id": 3, "problem": "Find the largest prime factor of 600851475143.", "answer": 6857},
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -99,18 +131,25 @@ def write_aime_saved_to_disk(directory: Path) -> None:
     """Maxwell-Jia/AIME_2024 after `save_to_disk`: an Arrow stream file listed in state.json."""
     directory.mkdir()
     table = pa.Table.from_pylist([{"ID": "2024-I-1", "Problem": AIME_PROBLEM, "Solution": "...", "Answer": 204}])
-    with pa.OSFile(str(directory / "data-00000-of-00001.arrow"), "wb") as sink, \
-            pa.ipc.new_stream(sink, table.schema) as writer:
+    with (
+        pa.OSFile(str(directory / "data-00000-of-00001.arrow"), "wb") as sink,
+        pa.ipc.new_stream(sink, table.schema) as writer,
+    ):
         writer.write_table(table)
-    (directory / "state.json").write_text(json.dumps(
-        {"_data_files": [{"filename": "data-00000-of-00001.arrow"}], "_split": "train"}))
+    (directory / "state.json").write_text(
+        json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}], "_split": "train"})
+    )
     (directory / "dataset_info.json").write_text(json.dumps({"features": {}}))
 
 
 @pytest.fixture()
 def files(tmp_path: Path) -> dict[str, Path]:
-    paths = {"dapo": tmp_path / "dapo.parquet", "omr": tmp_path / "omr.parquet", "euler": tmp_path / "euler.jsonl",
-             "aime": tmp_path / "aime_2024"}
+    paths = {
+        "dapo": tmp_path / "dapo.parquet",
+        "omr": tmp_path / "omr.parquet",
+        "euler": tmp_path / "euler.jsonl",
+        "aime": tmp_path / "aime_2024",
+    }
     write_dapo(paths["dapo"])
     write_open_math_reasoning(paths["omr"])
     write_euler(paths["euler"])
@@ -122,13 +161,22 @@ def data_config(files: dict[str, Path]) -> DataConfig:
     return DataConfig(
         n_heldout=2,
         sources=[
-            SourceConfig(name="dapo", format="parquet", path=str(files["dapo"]), problem="prompt.0.content",
-                         answer="reward_model.ground_truth", id="extra_info.index"),
+            SourceConfig(
+                name="dapo",
+                format="parquet",
+                path=str(files["dapo"]),
+                problem="prompt.0.content",
+                answer="reward_model.ground_truth",
+                id="extra_info.index",
+            ),
             SourceConfig(name="omr", format="parquet", path=str(files["omr"]), answer="expected_answer"),
             SourceConfig(name="euler", format="jsonl", path=str(files["euler"]), id="id"),
         ],
-        benchmarks=[SourceConfig(name="aime24", format="hf_disk", path=str(files["aime"]), problem="Problem",
-                                 answer="Answer", id="ID")],
+        benchmarks=[
+            SourceConfig(
+                name="aime24", format="hf_disk", path=str(files["aime"]), problem="Problem", answer="Answer", id="ID"
+            )
+        ],
     )
 
 
@@ -149,7 +197,6 @@ def run_context(tmp_path: Path):
 
 def test_curate_flow_counts_every_filter(files, tmp_path, prefect_api) -> None:
     from flows.curate import curate
-
     from tasks.tracking.mlflow_log import Tracker
 
     ctx = run_context(tmp_path)
@@ -157,8 +204,14 @@ def test_curate_flow_counts_every_filter(files, tmp_path, prefect_api) -> None:
     paths = curate(data_config(files), ctx)
 
     counts = {row["filter"]: row["removed"] for row in read_table(paths["curation"])}
-    assert counts == {"malformed": 3, "integer": 1, "huge_answer": 1, "exact_duplicate": 2, "near_duplicate": 1,
-                      "decontamination": 1}
+    assert counts == {
+        "malformed": 3,
+        "integer": 1,
+        "huge_answer": 1,
+        "exact_duplicate": 2,
+        "near_duplicate": 1,
+        "decontamination": 1,
+    }
     rejected = {row["row_id"]: (row["stage"], row["reason"]) for row in read_table(paths["rejected"])}
     assert rejected["omr:4"] == ("malformed", "missing answer (expected_answer)")
     assert rejected["omr:5"] == ("malformed", "empty problem (problem)")
@@ -187,8 +240,9 @@ def test_unreadable_file_is_named_and_nothing_is_written(files, tmp_path) -> Non
 
     broken = tmp_path / "broken.parquet"
     broken.write_bytes(b"not a parquet file at all")
-    data = data_config(files).model_copy(update={"sources": [SourceConfig(name="b", format="parquet",
-                                                                          path=str(broken))]})
+    data = data_config(files).model_copy(
+        update={"sources": [SourceConfig(name="b", format="parquet", path=str(broken))]}
+    )
     run_dir = tmp_path / "run"
     with pytest.raises(SourceError, match=r"broken\.parquet: cannot read as parquet"):
         curate(data, run_dir)
@@ -211,5 +265,7 @@ def test_consensus_filter_keeps_labels_the_policy_reaches_m_times(files, tmp_pat
     counts = read_table(paths["curation"])
     assert counts[-1] == {"filter": "consensus", "in": 4, "removed": 2, "kept": 2}
     reasons = {r["row_id"]: r["reason"] for r in read_table(paths["rejected"]) if r["stage"] == "consensus"}
-    assert reasons == {train[0].problem_id: "label reached 0 of 3 times (< 2)",
-                       train[1].problem_id: "label reached 1 of 3 times (< 2)"}
+    assert reasons == {
+        train[0].problem_id: "label reached 0 of 3 times (< 2)",
+        train[1].problem_id: "label reached 1 of 3 times (< 2)",
+    }

@@ -21,10 +21,21 @@ pytestmark = pytest.mark.slow  # starts engines or trains
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "services.sh"
-SMALL = {"data.n_train": 24, "data.n_heldout": 4, "model.tiny.pretrain_steps": 2, "sft.n_examples": 64,
-         "sft.epochs": 1, "rl.group_size": 4, "eval.k": 2, "eval.max_turns": 2, "eval.max_response_tokens": 96,
-         "rl.stages": [{"name": name, "steps": 1, "max_response_tokens": 96, "max_turns": 2,
-                        "problems_per_step": 2} for name in ("stage1", "stage2")]}
+SMALL = {
+    "data.n_train": 24,
+    "data.n_heldout": 4,
+    "model.tiny.pretrain_steps": 2,
+    "sft.n_examples": 64,
+    "sft.epochs": 1,
+    "rl.group_size": 4,
+    "eval.k": 2,
+    "eval.max_turns": 2,
+    "eval.max_response_tokens": 96,
+    "rl.stages": [
+        {"name": name, "steps": 1, "max_response_tokens": 96, "max_turns": 2, "problems_per_step": 2}
+        for name in ("stage1", "stage2")
+    ],
+}
 
 
 def _run_deployment(client, name: str, parameters: dict, worker_log: Path):
@@ -39,18 +50,28 @@ def _run_deployment(client, name: str, parameters: dict, worker_log: Path):
 
 def test_pipeline_deployment_runs_from_the_api(tmp_path) -> None:
     prefect_port, mlflow_port = _free_port(), _free_port()
-    env = {**os.environ, "PREFECT_PORT": str(prefect_port), "MLFLOW_PORT": str(mlflow_port),
-           "RSTAR2_SERVICES_DIR": str(tmp_path / "services"), "PREFECT_HOME": str(tmp_path / "prefect")}
+    env = {
+        **os.environ,
+        "PREFECT_PORT": str(prefect_port),
+        "MLFLOW_PORT": str(mlflow_port),
+        "RSTAR2_SERVICES_DIR": str(tmp_path / "services"),
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+    }
     started = subprocess.run([str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=600)
     assert started.returncode == 0, started.stderr
     try:
         assert f"http://127.0.0.1:{mlflow_port}" in started.stdout
         outputs = tmp_path / "outputs"
-        parameters = {"config": "configs/tiny.yaml", "run_id": "deployed",
-                      "overrides": {**SMALL, "output_dir": str(outputs)}}
+        parameters = {
+            "config": "configs/tiny.yaml",
+            "run_id": "deployed",
+            "overrides": {**SMALL, "output_dir": str(outputs)},
+        }
         run_dir, worker_log = outputs / "runs" / "deployed", tmp_path / "services" / "prefect-worker.log"
-        with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{prefect_port}/api"}), \
-                get_client(sync_client=True) as client:
+        with (
+            temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{prefect_port}/api"}),
+            get_client(sync_client=True) as client,
+        ):
             deployment = client.read_deployment_by_name("rstar2-pipeline/tiny")
             # The UI builds its run form from this schema: typed, with the config path defaulted.
             schema = deployment.parameter_openapi_schema["properties"]
@@ -64,9 +85,18 @@ def test_pipeline_deployment_runs_from_the_api(tmp_path) -> None:
             assert (run_dir / "models" / "stage2" / "config.json").exists()
             schema = client.read_deployment_by_name("rstar2-evaluate/evaluate").parameter_openapi_schema
             assert schema["required"] == ["run_id"] and schema["properties"]["checkpoint"]["default"] == "sft"
-            _run_deployment(client, "rstar2-evaluate/evaluate", {
-                "run_id": "deployed", "checkpoint": "stage2", "label": "stage2-k4", "eval_overrides": {"k": 4},
-                "output_dir": str(outputs)}, worker_log)
+            _run_deployment(
+                client,
+                "rstar2-evaluate/evaluate",
+                {
+                    "run_id": "deployed",
+                    "checkpoint": "stage2",
+                    "label": "stage2-k4",
+                    "eval_overrides": {"k": 4},
+                    "output_dir": str(outputs),
+                },
+                worker_log,
+            )
         assert (run_dir / "summary.json").exists()
         evaluation = read_table(partition(run_dir, "evaluations", checkpoint="stage2-k4", benchmark="heldout"))
         assert [(row["checkpoint"], row["k"], row["problems"]) for row in evaluation] == [("stage2-k4", 4, 4)]

@@ -8,10 +8,9 @@ import json
 
 import pytest
 
-from tasks.data.problems import generate_problems, problem_statements, solve, split_problems
 from tasks.data.chat_examples import build_sft_examples
+from tasks.data.problems import generate_problems, problem_statements, solve, split_problems
 from tasks.rollout.agent import end_turn, render_tool_result
-from tasks.rollout.trajectory import RolloutSpec, Trajectory
 from tasks.rollout.format import (
     TOOL_CALL_CLOSE,
     ToolCall,
@@ -22,11 +21,13 @@ from tasks.rollout.format import (
     tool_response_text,
     truncate_middle,
 )
+from tasks.rollout.trajectory import RolloutSpec, Trajectory
 from tasks.sandbox.status import ToolResult, ToolStatus
 
 TOOL = "execute_python_code_with_standard_io"
-SPEC = RolloutSpec(max_turns=3, max_response_tokens=100, temperature=1.0, top_p=1.0, tool_name=TOOL,
-                   tool_response_chars=40)
+SPEC = RolloutSpec(
+    max_turns=3, max_response_tokens=100, temperature=1.0, top_p=1.0, tool_name=TOOL, tool_response_chars=40
+)
 CLOSE = 7  # a stand-in id for </tool_call>: end_turn only compares ids
 
 
@@ -35,14 +36,17 @@ def test_tool_call_round_trip():
     assert parse_tool_call(text, TOOL) == ToolCall("print(input())", "5\n")
 
 
-@pytest.mark.parametrize("text, message", [
-    ('<tool_call>{"name": "x", "arguments": {"code": "1"}', "no complete"),
-    ("<tool_call>{not json}</tool_call>", "not valid JSON"),
-    ('<tool_call>["a"]</tool_call>', "JSON object"),
-    ('<tool_call>{"name": "python", "arguments": {"code": "1"}}</tool_call>', "unknown tool"),
-    (f'<tool_call>{{"name": "{TOOL}", "arguments": {{"code": 3}}}}</tool_call>', "string 'code'"),
-    (f'<tool_call>{{"name": "{TOOL}", "arguments": {{"code": "1", "input": 2}}}}</tool_call>', "'input'"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('<tool_call>{"name": "x", "arguments": {"code": "1"}', "no complete"),
+        ("<tool_call>{not json}</tool_call>", "not valid JSON"),
+        ('<tool_call>["a"]</tool_call>', "JSON object"),
+        ('<tool_call>{"name": "python", "arguments": {"code": "1"}}</tool_call>', "unknown tool"),
+        (f'<tool_call>{{"name": "{TOOL}", "arguments": {{"code": 3}}}}</tool_call>', "string 'code'"),
+        (f'<tool_call>{{"name": "{TOOL}", "arguments": {{"code": "1", "input": 2}}}}</tool_call>', "'input'"),
+    ],
+)
 def test_malformed_tool_calls_raise_a_readable_error(text, message):
     with pytest.raises(ToolCallError, match=message):
         parse_tool_call(text, TOOL)
@@ -112,12 +116,15 @@ def test_end_turn_answer_and_max_turns():
     assert traj.stop_reason == "max_turns"
 
 
-@pytest.mark.parametrize("result, expected", [
-    (ToolResult(ToolStatus.OK, stdout="4\n"), "4"),
-    (ToolResult(ToolStatus.ERROR, stderr="Traceback...\nZeroDivisionError"), "ZeroDivisionError"),
-    (ToolResult(ToolStatus.TIMEOUT), "TimeoutError"),
-    (ToolResult(ToolStatus.PARSE_ERROR, stderr="tool call is not valid JSON"), "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "result, expected",
+    [
+        (ToolResult(ToolStatus.OK, stdout="4\n"), "4"),
+        (ToolResult(ToolStatus.ERROR, stderr="Traceback...\nZeroDivisionError"), "ZeroDivisionError"),
+        (ToolResult(ToolStatus.TIMEOUT), "TimeoutError"),
+        (ToolResult(ToolStatus.PARSE_ERROR, stderr="tool call is not valid JSON"), "not valid JSON"),
+    ],
+)
 def test_tool_results_are_rendered_for_the_model(result, expected):
     assert expected in render_tool_result(result, 200)
 
@@ -166,5 +173,6 @@ def test_recovery_examples_answer_a_real_error_and_train_only_the_correction():
             errors.add(reply.splitlines()[-1].split(":")[0])
         assert answer.startswith("<answer>")
     assert errors == {"parse_error", "NameError", "SyntaxError"}
-    assert build_sft_examples(40, [1, 2, 3], seed=0, tool_name=TOOL) == build_sft_examples(40, [1, 2, 3], seed=0,
-                                                                                           tool_name=TOOL)
+    assert build_sft_examples(40, [1, 2, 3], seed=0, tool_name=TOOL) == build_sft_examples(
+        40, [1, 2, 3], seed=0, tool_name=TOOL
+    )

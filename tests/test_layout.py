@@ -1,6 +1,6 @@
 """The layout of the code, read from its import statements (tasks/__init__.py states the rule).
 
-    python -m pytest tests/test_layout.py -v
+python -m pytest tests/test_layout.py -v
 """
 
 import ast
@@ -14,8 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "tasks"
 WRAPPERS = sorted(p for p in TASKS.glob("*.py") if p.name != "__init__.py")
 LIBRARY = sorted(p for p in TASKS.glob("*/**/*.py"))
-LIBRARY_NAMES = sorted({p.stem for p in LIBRARY if p.stem != "__init__"} | {p.name for p in TASKS.iterdir() if p.is_dir()
-                                                                              and p.name != "__pycache__"})
+LIBRARY_NAMES = sorted(
+    {p.stem for p in LIBRARY if p.stem != "__init__"}
+    | {p.name for p in TASKS.iterdir() if p.is_dir() and p.name != "__pycache__"}
+)
 
 
 def imports(path: Path) -> set[str]:
@@ -31,8 +33,11 @@ def imports(path: Path) -> set[str]:
 
 
 def importers(package: str, among: list[Path]) -> list[str]:
-    return [str(p.relative_to(ROOT)) for p in among
-            if any(name == package or name.startswith(package + ".") for name in imports(p))]
+    return [
+        str(p.relative_to(ROOT))
+        for p in among
+        if any(name == package or name.startswith(package + ".") for name in imports(p))
+    ]
 
 
 ALL = sorted(TASKS.rglob("*.py")) + sorted((ROOT / "flows").glob("*.py"))
@@ -42,11 +47,14 @@ def test_the_library_stays_usable_without_prefect():
     assert importers("prefect", LIBRARY) == []
 
 
-@pytest.mark.parametrize("package, home", [
-    ("mlflow", "tasks/tracking/"),
-    ("deepspeed", "tasks/train/trainer.py"),
-    ("vllm", "tasks/rollout/engine.py"),
-])
+@pytest.mark.parametrize(
+    "package, home",
+    [
+        ("mlflow", "tasks/tracking/"),
+        ("deepspeed", "tasks/train/trainer.py"),
+        ("vllm", "tasks/rollout/engine.py"),
+    ],
+)
 def test_a_heavy_dependency_has_one_home(package, home):
     assert [p for p in importers(package, ALL) if not p.startswith(home)] == []
 
@@ -54,8 +62,9 @@ def test_a_heavy_dependency_has_one_home(package, home):
 def test_algorithms_never_reach_the_rollout_loop_or_the_services():
     banned = ["tasks.rollout.agent", "tasks.rollout.pool", "tasks.rollout.engine", "tasks.sandbox", "tasks.runtime"]
     pure = [p for p in LIBRARY if p.parent.name in ("rl", "reward")]
-    assert {str(p.relative_to(ROOT)): sorted(n for n in imports(p) for b in banned if n.startswith(b))
-            for p in pure} == {str(p.relative_to(ROOT)): [] for p in pure}
+    assert {
+        str(p.relative_to(ROOT)): sorted(n for n in imports(p) for b in banned if n.startswith(b)) for p in pure
+    } == {str(p.relative_to(ROOT)): [] for p in pure}
 
 
 def test_the_library_never_imports_the_task_files_or_flows():
@@ -88,13 +97,17 @@ def test_no_task_file_is_named_like_a_library_module():
 
 
 def test_pure_modules_load_no_heavy_dependency():
-    code = ("import sys, tasks.rl.batch, tasks.rl.roc, tasks.rollout.metrics, tasks.rollout.trajectory, "
-            "tasks.store.run_folder; print(sorted({'torch', 'aiohttp', 'transformers', 'vllm', 'mlflow', 'prefect'} "
-            "& set(sys.modules)))")
+    code = (
+        "import sys, tasks.rl.batch, tasks.rl.roc, tasks.rollout.metrics, tasks.rollout.trajectory, "
+        "tasks.store.run_folder; print(sorted({'torch', 'aiohttp', 'transformers', 'vllm', 'mlflow', 'prefect'} "
+        "& set(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_tests_call_library_functions_not_prefect_task_internals():
-    offenders = [p.name for p in (ROOT / "tests").glob("*.py") if ".fn(" in p.read_text() and p.name != Path(__file__).name]
+    offenders = [
+        p.name for p in (ROOT / "tests").glob("*.py") if ".fn(" in p.read_text() and p.name != Path(__file__).name
+    ]
     assert offenders == []

@@ -81,8 +81,13 @@ def test_ppo_clip_loss_matches_reference(seed, dtype, tol):
     logp_np, old_np, adv_np, mask_np = make_inputs(seed)
     logp = torch.tensor(logp_np, dtype=dtype, requires_grad=True)
     loss, metrics = ppo_clip_loss(
-        logp, torch.tensor(old_np, dtype=dtype), torch.tensor(adv_np, dtype=dtype), torch.tensor(mask_np),
-        eps_low=EPS_LOW, eps_high=EPS_HIGH, dual_clip=DUAL,
+        logp,
+        torch.tensor(old_np, dtype=dtype),
+        torch.tensor(adv_np, dtype=dtype),
+        torch.tensor(mask_np),
+        eps_low=EPS_LOW,
+        eps_high=EPS_HIGH,
+        dual_clip=DUAL,
     )
     loss.backward()
     ref_loss, ref_grad, (low, high, dual) = reference_loss_and_grad(logp_np, old_np, adv_np, mask_np)
@@ -119,8 +124,9 @@ def test_negative_weight_scales_only_the_negative_rollouts_loss_and_gradient():
     torch.testing.assert_close(grad_q, torch.where(negative, 0.25 * grad_1, grad_1))
     assert (grad_1[negative.expand_as(grad_1)] != 0).any()  # the check above is not vacuous
     # the loss splits the same way: positive part + weight x negative part
-    ref, _, _ = reference_loss_and_grad(logp_np, old_np, np.where(adv_np < 0, adv_np, 0.0), mask_np,
-                                        num_tokens=int(mask_np.sum()))
+    ref, _, _ = reference_loss_and_grad(
+        logp_np, old_np, np.where(adv_np < 0, adv_np, 0.0), mask_np, num_tokens=int(mask_np.sum())
+    )
     assert loss_q == pytest.approx((loss_1 - ref) + 0.25 * ref, rel=1e-10)
     assert metrics_q == metrics_1  # where a clip binds does not depend on the weight
 

@@ -23,8 +23,16 @@ pytestmark = pytest.mark.slow  # starts engines or trains
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 STAGE = {"name": "stage1", "steps": 2, "max_response_tokens": 128, "max_turns": 3, "problems_per_step": 4}
 # A second stage behind the difficulty filter (2 attempts per problem), optimizer reset.
-HARD = {"name": "hard", "steps": 1, "max_response_tokens": 128, "max_turns": 3, "problems_per_step": 4,
-        "hard_only": True, "difficulty_attempts": 2, "reset_optimizer": True}
+HARD = {
+    "name": "hard",
+    "steps": 1,
+    "max_response_tokens": 128,
+    "max_turns": 3,
+    "problems_per_step": 4,
+    "hard_only": True,
+    "difficulty_attempts": 2,
+    "reset_optimizer": True,
+}
 STOP_REASONS = {"answer", "no_answer", "max_turns", "budget"}
 
 
@@ -33,14 +41,25 @@ def run(tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("outputs")
     # A benchmark in a public layout (JSONL, question/answer columns), from a disjoint seed.
     bench = output_dir / "mini-benchmark.jsonl"
-    bench.write_text("".join(json.dumps({"question": p.question, "answer": int(p.answer)}) + "\n"
-                             for p in generate_problems(3, [1], seed=99)))
+    bench.write_text(
+        "".join(
+            json.dumps({"question": p.question, "answer": int(p.answer)}) + "\n"
+            for p in generate_problems(3, [1], seed=99)
+        )
+    )
     overrides = {
         "output_dir": str(output_dir),
-        "data.n_train": 48, "data.n_heldout": 6, "model.tiny.pretrain_steps": 2,
-        "sft.n_examples": 96, "sft.epochs": 1,
-        "rl.group_size": 4, "rl.stages": [STAGE, HARD],
-        "eval.k": 2, "eval.max_turns": 3, "eval.max_response_tokens": 128, "eval.base": True,
+        "data.n_train": 48,
+        "data.n_heldout": 6,
+        "model.tiny.pretrain_steps": 2,
+        "sft.n_examples": 96,
+        "sft.epochs": 1,
+        "rl.group_size": 4,
+        "rl.stages": [STAGE, HARD],
+        "eval.k": 2,
+        "eval.max_turns": 3,
+        "eval.max_response_tokens": 128,
+        "eval.base": True,
         "data.benchmarks": [{"name": "mini", "format": "jsonl", "path": str(bench), "problem": "question"}],
     }
     with prefect_test_harness(server_startup_timeout=180):  # a new database migrates first
@@ -64,10 +83,13 @@ def test_summary_has_every_stage(run):
 
 def test_evaluation_table_compares_checkpoints_on_every_benchmark(run):
     result, _ = run
-    rows = duckdb.sql(f"SELECT checkpoint, benchmark, problems, k, pass_at_1 FROM "
-                      f"read_parquet('{result['run_dir']}/evaluations/*/*/*.parquet') ORDER BY ALL").fetchall()
+    rows = duckdb.sql(
+        f"SELECT checkpoint, benchmark, problems, k, pass_at_1 FROM "
+        f"read_parquet('{result['run_dir']}/evaluations/*/*/*.parquet') ORDER BY ALL"
+    ).fetchall()
     assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
-        (c, b, n, 2) for c in ("base", "hard", "sft", "stage1") for b, n in (("heldout", 6), ("mini", 3))]
+        (c, b, n, 2) for c in ("base", "hard", "sft", "stage1") for b, n in (("heldout", 6), ("mini", 3))
+    ]
     assert all(0.0 <= r[4] <= 1.0 for r in rows)
     summary = (Path(result["run_dir"]) / "summary.md").read_text()
     assert "| checkpoint | heldout pass@1 | mini pass@1 |" in summary
@@ -80,15 +102,27 @@ def test_rollout_rows_are_queryable_and_consistent(run):
     counts = dict(duckdb.sql(f"SELECT stage || '/' || step, count(*) FROM {table} GROUP BY ALL").fetchall())
     # RL steps: 4 problems x 2G = 8 rollouts each; evaluations: 6 held-out problems x k = 2, and
     # the 3 benchmark problems x k = 2.
-    assert counts == {"stage1/0": 32, "stage1/1": 32, "hard/0": 32, "eval-base/0": 12, "eval-sft/0": 12,
-                      "eval-stage1/0": 12, "eval-hard/0": 12, "eval-base-mini/0": 6, "eval-sft-mini/0": 6,
-                      "eval-stage1-mini/0": 6, "eval-hard-mini/0": 6}
+    assert counts == {
+        "stage1/0": 32,
+        "stage1/1": 32,
+        "hard/0": 32,
+        "eval-base/0": 12,
+        "eval-sft/0": 12,
+        "eval-stage1/0": 12,
+        "eval-hard/0": 12,
+        "eval-base-mini/0": 6,
+        "eval-sft-mini/0": 6,
+        "eval-stage1-mini/0": 6,
+        "eval-hard-mini/0": 6,
+    }
     rows = duckdb.sql(f"SELECT * FROM {table}").df()
     assert set(rows["stop_reason"]) <= STOP_REASONS
     assert set(rows["reward"]) <= {0.0, 1.0}
     assert (rows[rows["predicted"].isna()]["reward"] == 0).all()  # invalid output: reward 0, no crash
-    kept = duckdb.sql(f"SELECT step, problem_id, count(*) FILTER (kept) AS k, count(DISTINCT reward) AS classes "
-                      f"FROM {table} WHERE stage = 'stage1' GROUP BY ALL").fetchall()
+    kept = duckdb.sql(
+        f"SELECT step, problem_id, count(*) FILTER (kept) AS k, count(DISTINCT reward) AS classes "
+        f"FROM {table} WHERE stage = 'stage1' GROUP BY ALL"
+    ).fetchall()
     for _, _, k, classes in kept:
         assert k == (4 if classes == 2 else 0)  # G kept from groups with signal, none from the rest
 
@@ -116,15 +150,25 @@ def test_mlflow_has_nested_stage_runs_with_step_metrics(run):
     runs = client.search_runs([experiment.experiment_id], "tags.`rstar2.run_id` = 'e2e'")
     parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(parent) == 1 and parent[0].info.status == "FINISHED"
-    stages = {r.data.tags["rstar2.stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id}
+    stages = {
+        r.data.tags["rstar2.stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id
+    }
     assert set(stages) == {"base", "sft", "stage1", "hard"}
     difficulty = client.get_run(stages["hard"].info.run_id).data.metrics
     assert sum(difficulty[f"difficulty/solved_{j}_of_2"] for j in range(3)) == 48  # every train problem
     assert difficulty["difficulty/kept"] == 48 - difficulty["difficulty/solved_2_of_2"]
     assert [m.step for m in client.get_metric_history(stages["base"].info.run_id, "pretrain/loss")] == [0, 1]
     rl = stages["stage1"].info.run_id
-    for metric in ("reward_mean", "kept", "dropped", "tool_calls", "tool_errors", "response_length_mean",
-                   "time_rollout_s", "time_tool_wait_s"):
+    for metric in (
+        "reward_mean",
+        "kept",
+        "dropped",
+        "tool_calls",
+        "tool_errors",
+        "response_length_mean",
+        "time_rollout_s",
+        "time_tool_wait_s",
+    ):
         assert [m.step for m in client.get_metric_history(rl, metric)] == [0, 1], metric
     assert "eval/stage1/pass_at_1" in parent[0].data.metrics
     # Tags to compare runs by, on the parent and every stage; the config and the data as inputs.
@@ -147,9 +191,12 @@ def test_readme_query_commands_return_the_expected_shape(run, capsys):
     commands = [shlex.split(line)[1:] for line in readme.splitlines() if line.startswith(".venv/bin/rstar2 query ")]
     assert len(commands) == 4
     result, _ = run
-    expected_columns = [["stage", "step", "tool_error_rate", "calls"], ["problem_id"],
-                        ["checkpoint", "benchmark", "pass_at_1", "turns_mean", "tool_error_rate"],
-                        ["stage", "step", "reward"]]
+    expected_columns = [
+        ["stage", "step", "tool_error_rate", "calls"],
+        ["problem_id"],
+        ["checkpoint", "benchmark", "pass_at_1", "turns_mean", "tool_error_rate"],
+        ["stage", "step", "reward"],
+    ]
     for argv, columns in zip(commands, expected_columns):
         argv = [a for a in argv if a not in ("--runs", "outputs/runs/<run_id>")]
         sql = argv[1]
@@ -163,8 +210,14 @@ def test_readme_query_commands_return_the_expected_shape(run, capsys):
 def test_prefect_artifacts_summarise_curation_stages_and_progress(run):
     result, _ = run
     artifacts = result["artifacts"]
-    assert {"curation", "run-summary", "stage-summary-stage1", "stage-summary-hard", "rl-progress-stage1",
-            "difficulty-filter"} <= set(artifacts)
+    assert {
+        "curation",
+        "run-summary",
+        "stage-summary-stage1",
+        "stage-summary-hard",
+        "rl-progress-stage1",
+        "difficulty-filter",
+    } <= set(artifacts)
     assert artifacts["rl-progress-stage1"].data == 100.0
     stage1 = json.loads(artifacts["stage-summary-stage1"].data)
     assert [row["step"] for row in stage1] == [0, 1] and "reward_mean" in stage1[0]
@@ -194,10 +247,22 @@ def test_streamlit_dashboard_renders_charts_with_data(run):
     root = Path(__file__).resolve().parent.parent
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", str(root / "dashboards" / "app.py"), "--server.headless=true",
-         "--server.address=127.0.0.1", f"--server.port={port}", "--browser.gatherUsageStats=false",
-         "--", "--runs", result["run_dir"]],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "streamlit",
+            "run",
+            str(root / "dashboards" / "app.py"),
+            "--server.headless=true",
+            "--server.address=127.0.0.1",
+            f"--server.port={port}",
+            "--browser.gatherUsageStats=false",
+            "--",
+            "--runs",
+            result["run_dir"],
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 60

@@ -28,8 +28,7 @@ STEPS_BEFORE_KILL = 3
 def batches() -> list[list[Sample]]:
     """Deterministic RL batches, one per step, mixed lengths and signs of advantage."""
     return [
-        [Sample(list(range(3 + step, 15 + step + i)), [0] * 4 + [1] * (8 + i), (-1.0) ** (i + step))
-         for i in range(5)]
+        [Sample(list(range(3 + step, 15 + step + i)), [0] * 4 + [1] * (8 + i), (-1.0) ** (i + step)) for i in range(5)]
         for step in range(STEPS_BEFORE_KILL + 1)
     ]
 
@@ -58,9 +57,19 @@ def test_resume_after_sigkill_matches_uninterrupted(model_dir, tmp_path):
     """)
     root = Path(__file__).resolve().parent.parent
     # A fresh single-process group: not this process's (its port is taken).
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    killed = subprocess.run([sys.executable, "-c", script], cwd=root, env={**env, "PYTHONPATH": str(root)},
-                            capture_output=True, text=True, timeout=300)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    killed = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=root,
+        env={**env, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
 
     resumed = Trainer(model_dir, OPTIM, total_steps=10)

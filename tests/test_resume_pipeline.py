@@ -18,42 +18,77 @@ from mlflow.tracking import MlflowClient
 from tasks.tracking.mlflow_log import EXPERIMENT, tracking_uri
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = [{"name": "stage1", "steps": 3, "max_response_tokens": 96, "max_turns": 2, "problems_per_step": 2},
-          {"name": "hard", "steps": 1, "max_response_tokens": 96, "max_turns": 2, "problems_per_step": 2,
-           "hard_only": True, "difficulty_attempts": 2, "reset_optimizer": True}]
-SMALL = {"data.n_train": 16, "data.n_heldout": 4, "model.tiny.pretrain_steps": 2, "sft.n_examples": 64,
-         "sft.epochs": 1, "rl.group_size": 4, "eval.k": 2, "eval.max_turns": 2, "eval.max_response_tokens": 96,
-         "rl.stages": STAGES}
+STAGES = [
+    {"name": "stage1", "steps": 3, "max_response_tokens": 96, "max_turns": 2, "problems_per_step": 2},
+    {
+        "name": "hard",
+        "steps": 1,
+        "max_response_tokens": 96,
+        "max_turns": 2,
+        "problems_per_step": 2,
+        "hard_only": True,
+        "difficulty_attempts": 2,
+        "reset_optimizer": True,
+    },
+]
+SMALL = {
+    "data.n_train": 16,
+    "data.n_heldout": 4,
+    "model.tiny.pretrain_steps": 2,
+    "sft.n_examples": 64,
+    "sft.epochs": 1,
+    "rl.group_size": 4,
+    "eval.k": 2,
+    "eval.max_turns": 2,
+    "eval.max_response_tokens": 96,
+    "rl.stages": STAGES,
+}
 
 
 def command(output_dir: Path, run_id: str) -> list[str]:
     overrides = {**SMALL, "output_dir": str(output_dir)}
     sets = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={json.dumps(value)}")]
-    return [sys.executable, "-m", "flows.cli", "run", "--config", str(ROOT / "configs" / "tiny.yaml"),
-            "--run-id", run_id, *sets]
+    return [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "run",
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "--run-id",
+        run_id,
+        *sets,
+    ]
 
 
 def run(output_dir: Path, run_id: str, log: Path) -> None:
     with log.open("ab") as out:
-        done = subprocess.run(command(output_dir, run_id), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                              timeout=900)
+        done = subprocess.run(command(output_dir, run_id), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=900)
     assert done.returncode == 0, log.read_text()[-4000:]
 
 
 def table_parts(run_dir: Path, table: str) -> dict[tuple, tuple[int, int]]:
     """(stage, step) -> (rows, distinct keys) of a table."""
     key = "problem_id || ':' || sample" if table == "rollouts" else "metric"
-    return {(stage, step): (rows, keys) for stage, step, rows, keys in duckdb.sql(
-        f"SELECT stage, step, count(*), count(DISTINCT {key}) FROM "
-        f"read_parquet('{run_dir}/{table}/*/*/*.parquet') GROUP BY ALL").fetchall()}
+    return {
+        (stage, step): (rows, keys)
+        for stage, step, rows, keys in duckdb.sql(
+            f"SELECT stage, step, count(*), count(DISTINCT {key}) FROM "
+            f"read_parquet('{run_dir}/{table}/*/*/*.parquet') GROUP BY ALL"
+        ).fetchall()
+    }
 
 
 def step_histories(output_dir: Path, run_id: str) -> dict[str, list[int]]:
     client = MlflowClient(tracking_uri(output_dir))
     experiment = client.get_experiment_by_name(EXPERIMENT)
     runs = client.search_runs([experiment.experiment_id], f"tags.`rstar2.run_id` = '{run_id}'")
-    return {r.data.tags.get("rstar2.stage", "parent"): sorted(m.step for m in client.get_metric_history(
-        r.info.run_id, "reward_mean")) for r in runs}
+    return {
+        r.data.tags.get("rstar2.stage", "parent"): sorted(
+            m.step for m in client.get_metric_history(r.info.run_id, "reward_mean")
+        )
+        for r in runs
+    }
 
 
 @pytest.mark.slow
@@ -64,8 +99,9 @@ def test_a_killed_run_resumes_to_the_same_tables_as_an_uninterrupted_one(tmp_pat
     log = tmp_path / "b.log"
     marker = output / "runs" / "resume" / "steps" / "stage=stage1" / "step=0" / "part-0.parquet"
     with log.open("wb") as out:
-        victim = subprocess.Popen(command(output, "resume"), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+        victim = subprocess.Popen(
+            command(output, "resume"), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     deadline = time.monotonic() + 600
     while not marker.exists():
         assert victim.poll() is None, log.read_text()[-4000:]
@@ -85,7 +121,8 @@ def test_a_killed_run_resumes_to_the_same_tables_as_an_uninterrupted_one(tmp_pat
     for parts in (rollouts_b, steps_b):
         assert all(rows == keys for rows, keys in parts.values())  # no duplicate keys
     assert sorted(p.name for p in (b / "evaluations").glob("*.parquet")) == sorted(
-        p.name for p in (a / "evaluations").glob("*.parquet"))
+        p.name for p in (a / "evaluations").glob("*.parquet")
+    )
     histories = step_histories(output, "resume")
     assert histories == step_histories(tmp_path / "a", "resume")
     assert histories["stage1"] == [0, 1, 2] and histories["hard"] == [0]

@@ -135,7 +135,7 @@ def test_perfect_positives_get_the_largest_weight():
     both = sum({1, 3} <= set(select_group(group, 6, "paper", rng)) for _ in range(2000))
     # weights 1/eps = 1000 vs <= 4: P(a perfect one is not among 3 draws) is tiny
     assert both >= 1990
-    assert 1.0 / PERFECT_EPS > 10 * max(1.0 / p_total(t) for t in POSITIVES)
+    assert 10 * max(1.0 / p_total(t) for t in POSITIVES) < 1.0 / PERFECT_EPS
 
 
 def test_paper_class_counts_keep_a_lone_member():

@@ -6,7 +6,6 @@ preempts and recomputes); the KV-aware scheduler admits only what fits and never
 About a minute on two cores.
 """
 
-
 from pathlib import Path
 
 import pytest
@@ -22,9 +21,17 @@ from tasks.rollout.trajectory import RolloutSpec
 from tasks.sandbox.executor import Limits
 from tasks.sandbox.server import SandboxService
 
-SPEC = RolloutSpec(max_turns=2, max_response_tokens=120, temperature=1.0, top_p=1.0,
-                   tool_name="execute_python_code_with_standard_io", tool_response_chars=200, tool_spec="compact")
-# ~780 tokens of KV per engine: two ~330-token prompts fit, their growth does not (128 hidden, 2 layers, 1 KV head of 64, fp32: 1 KiB a token).
+SPEC = RolloutSpec(
+    max_turns=2,
+    max_response_tokens=120,
+    temperature=1.0,
+    top_p=1.0,
+    tool_name="execute_python_code_with_standard_io",
+    tool_response_chars=200,
+    tool_spec="compact",
+)
+# ~780 tokens of KV per engine: two ~330-token prompts fit, their growth does not
+# (128 hidden, 2 layers, 1 KV head of 64, fp32: 1 KiB a token).
 ENGINES = EngineConfig(kv_cache_gib=0.00075, max_model_len=512, block_size=32, count=2)
 
 
@@ -49,8 +56,11 @@ def test_an_engine_in_this_process_runs_engine_threads(model_dir) -> None:
 
 @pytest.fixture(scope="module")
 def services(model_dir):
-    with SandboxService(workers=2, limits=Limits(timeout_s=2.0)) as box, ToolRunner([box.url]) as tools, \
-            EnginePool(model_dir, ENGINES, seed=0) as pool:
+    with (
+        SandboxService(workers=2, limits=Limits(timeout_s=2.0)) as box,
+        ToolRunner([box.url]) as tools,
+        EnginePool(model_dir, ENGINES, seed=0) as pool,
+    ):
         yield pool, tools
 
 
@@ -62,8 +72,9 @@ def test_rollouts_complete_on_a_two_engine_pool(model_dir, services, policy) -> 
     problems = [(p.problem_id, p.question) for p in generate_problems(4, [1], seed=3)]
     # kv_observed: as if the previous batch's rollouts had held 200 tokens each.
     reserve, previous = ("observed", [200] * 8) if policy == "kv_observed" else ("max_length", [])
-    pool.cfg = pool.cfg.model_copy(update={"scheduler": policy.replace("kv_observed", "kv_aware"),
-                                           "kv_reserve": reserve})
+    pool.cfg = pool.cfg.model_copy(
+        update={"scheduler": policy.replace("kv_observed", "kv_aware"), "kv_reserve": reserve}
+    )
     pool.last_rollout_sizes = previous
     trajectories, times = run_rollouts(pool, tools, tokenizer, problems, 4, SPEC)
     assert len(trajectories) == 16
@@ -81,7 +92,10 @@ def test_rollouts_complete_on_a_two_engine_pool(model_dir, services, policy) -> 
         assert times.kv_reserve_tokens == longest
         assert times.preemptions == 0
     else:
-        assert times.preemptions > 0, ([(t.stop_reason, len(t.response_ids), len(t.prompt_ids)) for t in trajectories], pool.kv_tokens)
+        assert times.preemptions > 0, (
+            [(t.stop_reason, len(t.response_ids), len(t.prompt_ids)) for t in trajectories],
+            pool.kv_tokens,
+        )
 
 
 @pytest.mark.slow

@@ -88,12 +88,10 @@ def test_final_bare_expression_is_echoed(service: SandboxService, code: str, std
         # warning; past its size cap), which the cell compiles; no program can tell which.
         ("x = 1\nprint(x is 1)", "True\n", 'SyntaxWarning: "is" with a literal'),
         ("x = 0\n" + "x += 1\n" * 3000 + "x", "3000\n", ""),
-        ("import sys\nprint(sys.argv, __name__, sys.stdout.seekable())", "[''] __main__ False\n",
-         ""),
+        ("import sys\nprint(sys.argv, __name__, sys.stdout.seekable())", "[''] __main__ False\n", ""),
     ],
 )
-def test_program_sees_a_fresh_interpreter(service: SandboxService, code: str, stdout: str,
-                                          in_stderr: str) -> None:  # fmt: skip
+def test_program_sees_a_fresh_interpreter(service: SandboxService, code: str, stdout: str, in_stderr: str) -> None:
     result = execute(service.url, code)
     assert (result.status, result.stdout) == (ToolStatus.OK, stdout), result
     assert in_stderr in result.stderr
@@ -126,9 +124,7 @@ def test_word_error_in_stdout_is_still_ok(service: SandboxService) -> None:
 
 def test_cpu_loop_and_sleep_time_out(service: SandboxService) -> None:
     started = time.monotonic()
-    results = execute_batch(
-        [service.url], [("while True:\n    pass", ""), ("import time\ntime.sleep(60)", "")]
-    )
+    results = execute_batch([service.url], [("while True:\n    pass", ""), ("import time\ntime.sleep(60)", "")])
     assert [r.status for r in results] == [ToolStatus.TIMEOUT, ToolStatus.TIMEOUT]
     assert all(r.wall_s <= LIMITS.timeout_s + 1 for r in results)
     assert time.monotonic() - started < LIMITS.timeout_s + 3
@@ -142,9 +138,7 @@ def test_memory_bomb(service: SandboxService) -> None:
 
 
 def test_huge_output_is_cut_and_killed(service: SandboxService) -> None:
-    results = execute_batch(
-        [service.url], [("print('x' * 10**6)", ""), ("while True:\n    print('spam')", "")]
-    )
+    results = execute_batch([service.url], [("print('x' * 10**6)", ""), ("while True:\n    print('spam')", "")])
     for result in results:
         assert result.status == ToolStatus.OUTPUT_LIMIT
         assert result.stdout.endswith(TRUNCATION_MARKER)
@@ -186,9 +180,14 @@ def test_environment_is_scrubbed(service: SandboxService) -> None:
     names = set(json.loads(result.stdout))
     assert SECRET_NAME not in names
     assert names <= {
-        "PATH", "LANG", "HOME", "TMPDIR", "PYTHONDONTWRITEBYTECODE",
-        "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-    }  # fmt: skip
+        "PATH",
+        "LANG",
+        "HOME",
+        "TMPDIR",
+        "PYTHONDONTWRITEBYTECODE",
+        "OMP_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -219,9 +218,8 @@ def test_client_fails_over_from_a_dead_replica(service: SandboxService) -> None:
 
 def test_bad_requests_name_the_field(service: SandboxService) -> None:
     async def post(path: str, data: str) -> tuple[int, str]:
-        async with aiohttp.ClientSession() as session:
-            async with session.post(service.url + path, data=data) as response:
-                return response.status, (await response.json())["error"]
+        async with aiohttp.ClientSession() as session, session.post(service.url + path, data=data) as response:
+            return response.status, (await response.json())["error"]
 
     async def go() -> list[tuple[int, str]]:
         return [
@@ -286,9 +284,8 @@ def test_service_that_cannot_start_reports_why(service: SandboxService) -> None:
 
 
 async def _get_json(url: str) -> dict:
-    async with aiohttp.ClientSession() as session:
-        async with session.get(url) as response:
-            return await response.json()
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        return await response.json()
 
 
 def test_service_stops_when_its_parent_is_killed(tmp_path) -> None:
@@ -298,10 +295,11 @@ def test_service_stops_when_its_parent_is_killed(tmp_path) -> None:
     import sys
     import time
 
-    script = ("import sys, time\nfrom tasks.sandbox.server import SandboxService\n"
-              "box = SandboxService(workers=1).start()\nprint(box._process.pid, flush=True)\ntime.sleep(600)")
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                              cwd=PROJECT_ROOT)
+    script = (
+        "import sys, time\nfrom tasks.sandbox.server import SandboxService\n"
+        "box = SandboxService(workers=1).start()\nprint(box._process.pid, flush=True)\ntime.sleep(600)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=PROJECT_ROOT)
     server_pid = int(parent.stdout.readline())
     parent.send_signal(signal.SIGKILL)
     parent.wait()

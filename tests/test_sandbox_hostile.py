@@ -40,9 +40,8 @@ def service() -> Iterator[SandboxService]:
 
 def get_json(url: str) -> dict:
     async def go() -> dict:
-        async with aiohttp.ClientSession() as session:
-            async with session.get(url) as response:
-                return await response.json()
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            return await response.json()
 
     return asyncio.run(go())
 
@@ -70,27 +69,48 @@ def assert_healthy(url: str) -> None:
 # (id, code, stdin, allowed statuses, extra check on the result or None)
 HOSTILE: list[tuple[str, str, str, set[ToolStatus], object]] = [
     # --- processes
-    ("fork_bomb", "import os\nwhile True:\n    os.fork()", "",
-     {S.ERROR, S.TIMEOUT, S.KILLED, S.OUTPUT_LIMIT}, None),
-    ("fork_bomb_that_swallows_errors",
-     "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "",
-     {S.TIMEOUT}, None),
-    ("thread_storm",
-     "import threading, time\nfor _ in range(10000):\n"
-     "    threading.Thread(target=time.sleep, args=(100,), daemon=True).start()", "",
-     {S.ERROR}, lambda r: "can't start new thread" in r.stderr),
-    ("multiprocessing_cpu_burn",
-     "import multiprocessing as mp\ndef burn(_):\n    while True:\n        pass\n"
-     "with mp.Pool(4) as pool:\n    pool.map(burn, range(4))", "", {S.TIMEOUT, S.ERROR}, None),
+    ("fork_bomb", "import os\nwhile True:\n    os.fork()", "", {S.ERROR, S.TIMEOUT, S.KILLED, S.OUTPUT_LIMIT}, None),
+    (
+        "fork_bomb_that_swallows_errors",
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+        "",
+        {S.TIMEOUT},
+        None,
+    ),
+    (
+        "thread_storm",
+        "import threading, time\nfor _ in range(10000):\n"
+        "    threading.Thread(target=time.sleep, args=(100,), daemon=True).start()",
+        "",
+        {S.ERROR},
+        lambda r: "can't start new thread" in r.stderr,
+    ),
+    (
+        "multiprocessing_cpu_burn",
+        "import multiprocessing as mp\ndef burn(_):\n    while True:\n        pass\n"
+        "with mp.Pool(4) as pool:\n    pool.map(burn, range(4))",
+        "",
+        {S.TIMEOUT, S.ERROR},
+        None,
+    ),
     # --- time
     ("infinite_loop", "while True:\n    pass", "", {S.TIMEOUT}, None),
     ("sleep_forever", "import time\ntime.sleep(10**6)", "", {S.TIMEOUT}, None),
-    ("ignore_sigterm_and_spin",
-     "import signal\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU):\n"
-     "    signal.signal(s, signal.SIG_IGN)\nwhile True:\n    pass", "", {S.TIMEOUT}, None),
-    ("block_all_signals_and_sleep",
-     "import signal, time\nsignal.pthread_sigmask(signal.SIG_BLOCK, set(signal.Signals))\n"
-     "time.sleep(10**6)", "", {S.TIMEOUT}, None),
+    (
+        "ignore_sigterm_and_spin",
+        "import signal\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU):\n"
+        "    signal.signal(s, signal.SIG_IGN)\nwhile True:\n    pass",
+        "",
+        {S.TIMEOUT},
+        None,
+    ),
+    (
+        "block_all_signals_and_sleep",
+        "import signal, time\nsignal.pthread_sigmask(signal.SIG_BLOCK, set(signal.Signals))\ntime.sleep(10**6)",
+        "",
+        {S.TIMEOUT},
+        None,
+    ),
     # --- memory
     # Address space grows 10 MB at a time (zeroed pages, so the 1 s CPU limit is not what stops it
     # on a loaded machine).
@@ -98,96 +118,172 @@ HOSTILE: list[tuple[str, str, str, set[ToolStatus], object]] = [
     ("memory_bomb_numpy", "import numpy as np\nnp.ones(10**10)", "", {S.MEMORY}, None),
     ("memory_bomb_bytes", "b'x' * (10**11)", "", {S.MEMORY}, None),
     # --- output
-    ("giant_stdout", "while True:\n    print('y' * 1000)", "", {S.OUTPUT_LIMIT},
-     lambda r: r.stdout.endswith(TRUNCATION_MARKER)),
-    ("giant_stderr", "import sys\nwhile True:\n    sys.stderr.write('z' * 1000)", "",
-     {S.OUTPUT_LIMIT}, lambda r: r.stderr.endswith(TRUNCATION_MARKER)),
+    (
+        "giant_stdout",
+        "while True:\n    print('y' * 1000)",
+        "",
+        {S.OUTPUT_LIMIT},
+        lambda r: r.stdout.endswith(TRUNCATION_MARKER),
+    ),
+    (
+        "giant_stderr",
+        "import sys\nwhile True:\n    sys.stderr.write('z' * 1000)",
+        "",
+        {S.OUTPUT_LIMIT},
+        lambda r: r.stderr.endswith(TRUNCATION_MARKER),
+    ),
     ("giant_single_write", "import os\nos.write(1, b'q' * 10**8)", "", {S.OUTPUT_LIMIT}, None),
-    ("invalid_utf8_output", "import sys\nsys.stdout.buffer.write(b'ok\\xff\\xfe\\n')", "",
-     {S.OK}, lambda r: r.stdout.startswith("ok")),
-    ("close_stdout_and_stderr", "import os\nos.close(1)\nos.close(2)\nprint('gone')", "",
-     {S.OK, S.ERROR}, None),
+    (
+        "invalid_utf8_output",
+        "import sys\nsys.stdout.buffer.write(b'ok\\xff\\xfe\\n')",
+        "",
+        {S.OK},
+        lambda r: r.stdout.startswith("ok"),
+    ),
+    ("close_stdout_and_stderr", "import os\nos.close(1)\nos.close(2)\nprint('gone')", "", {S.OK, S.ERROR}, None),
     # --- input
     ("stdin_read_with_no_input", "input()", "", {S.ERROR}, lambda r: "EOFError" in r.stderr),
-    ("huge_stdin", "import sys\nprint(len(sys.stdin.read()))", "a" * (20 << 20), {S.OK},
-     lambda r: r.stdout == f"{20 << 20}\n"),
+    (
+        "huge_stdin",
+        "import sys\nprint(len(sys.stdin.read()))",
+        "a" * (20 << 20),
+        {S.OK},
+        lambda r: r.stdout == f"{20 << 20}\n",
+    ),
     # --- crashes and exits
-    ("recursion_limit", "def f():\n    return f()\nf()", "", {S.ERROR},
-     lambda r: "RecursionError" in r.stderr),
-    ("deep_recursion_segfault",
-     # Recursion through C (sorted's key) past the stack: Python 3.11 keeps its own frames
-     # on the heap, so plain Python recursion runs into the CPU limit instead.
-     "import sys\nsys.setrecursionlimit(10**8)\ndef f(n):\n    return sorted([n], key=f)\nf(0)",
-     "",
-     {S.KILLED}, lambda r: r.exit_code == -11),
-    ("ctypes_segfault", "import ctypes\nctypes.string_at(0)", "", {S.KILLED},
-     lambda r: r.exit_code == -11),
+    ("recursion_limit", "def f():\n    return f()\nf()", "", {S.ERROR}, lambda r: "RecursionError" in r.stderr),
+    (
+        "deep_recursion_segfault",
+        # Recursion through C (sorted's key) past the stack: Python 3.11 keeps its own frames
+        # on the heap, so plain Python recursion runs into the CPU limit instead.
+        "import sys\nsys.setrecursionlimit(10**8)\ndef f(n):\n    return sorted([n], key=f)\nf(0)",
+        "",
+        {S.KILLED},
+        lambda r: r.exit_code == -11,
+    ),
+    ("ctypes_segfault", "import ctypes\nctypes.string_at(0)", "", {S.KILLED}, lambda r: r.exit_code == -11),
     ("abort", "import os\nos.abort()", "", {S.KILLED}, lambda r: r.exit_code == -6),
     ("sys_exit_3", "import sys\nsys.exit(3)", "", {S.ERROR}, lambda r: r.exit_code == 3),
-    ("sys_exit_0", "import sys\nprint('bye')\nsys.exit(0)", "", {S.OK},
-     lambda r: r.stdout == "bye\n"),
-    ("sys_exit_message", "import sys\nsys.exit('fatal: no')", "", {S.ERROR},
-     lambda r: r.exit_code == 1 and "fatal: no" in r.stderr),
+    ("sys_exit_0", "import sys\nprint('bye')\nsys.exit(0)", "", {S.OK}, lambda r: r.stdout == "bye\n"),
+    (
+        "sys_exit_message",
+        "import sys\nsys.exit('fatal: no')",
+        "",
+        {S.ERROR},
+        lambda r: r.exit_code == 1 and "fatal: no" in r.stderr,
+    ),
     ("os_exit_7", "import os\nos._exit(7)", "", {S.ERROR}, lambda r: r.exit_code == 7),
     ("keyboard_interrupt", "raise KeyboardInterrupt", "", {S.ERROR}, None),
     ("null_bytes_in_source", "print(1)\x00", "", {S.ERROR}, None),
     # --- killing things outside the program
     # As uid nobody the cell's init cannot be signalled at all; as root it ignores the signal.
-    ("kill_parent", "import os\nos.kill(os.getppid(), 9)\nprint('survived')", "",
-     {S.ERROR, S.OK}, lambda r: "PermissionError" in r.stderr or r.stdout == "survived\n"),
+    (
+        "kill_parent",
+        "import os\nos.kill(os.getppid(), 9)\nprint('survived')",
+        "",
+        {S.ERROR, S.OK},
+        lambda r: "PermissionError" in r.stderr or r.stdout == "survived\n",
+    ),
     ("kill_own_group", "import os\nos.killpg(0, 9)", "", {S.KILLED}, None),
     ("kill_everything", "import os\nos.kill(-1, 9)\nprint('alive')", "", {S.OK, S.ERROR}, None),
-    ("kill_pid_1_in_namespace", "import os\nos.kill(1, 9)\nprint('init ignores it')", "",
-     {S.OK, S.ERROR}, None),
+    ("kill_pid_1_in_namespace", "import os\nos.kill(1, 9)\nprint('init ignores it')", "", {S.OK, S.ERROR}, None),
     # --- network
-    ("dns_and_internet", "import socket\nsocket.create_connection(('8.8.8.8', 53), timeout=1)",
-     "", {S.ERROR}, None),
+    ("dns_and_internet", "import socket\nsocket.create_connection(('8.8.8.8', 53), timeout=1)", "", {S.ERROR}, None),
     # --- filesystem
-    ("write_etc_shadow", "open('/etc/shadow', 'a').write('x')", "", {S.ERROR},
-     lambda r: "Read-only file system" in r.stderr or "Permission denied" in r.stderr),
-    ("write_tmp", f"open('/tmp/{MARK}-file', 'w').write('x')", "", {S.ERROR},
-     lambda r: not Path(f"/tmp/{MARK}-file").exists()),
-    ("write_project_dir", f"open('{PROJECT_ROOT}/{MARK}-file', 'w').write('x')", "", {S.ERROR},
-     lambda r: not (PROJECT_ROOT / f"{MARK}-file").exists()),
-    ("write_dev_shm_stays_private",
-     f"open('/dev/shm/{MARK}', 'w').write('x')\nprint('ok')", "", {S.OK},
-     lambda r: not Path(f"/dev/shm/{MARK}").exists()),
-    ("multiprocessing_pool_works",
-     "import multiprocessing as mp\ndef sq(x):\n    return x * x\n"
-     "with mp.Pool(2) as pool:\n    print(pool.map(sq, range(5)))", "", {S.OK},
-     lambda r: r.stdout == "[0, 1, 4, 9, 16]\n"),
-    ("write_sysctl", "open('/proc/sys/kernel/hostname', 'w').write('pwned')", "", {S.ERROR},
-     None),
-    ("remount_root_rw",
-     "import ctypes\nassert ctypes.CDLL(None).mount(None, b'/', None, 32, None) != 0\nprint('no')",
-     "", {S.OK}, None),
-    ("unshare_user_namespace_escape",
-     "import ctypes\nlibc = ctypes.CDLL(None)\n"
-     "assert libc.unshare(0x40000000) != 0 and libc.unshare(0x00020000) != 0\nprint('no')",
-     "", {S.OK}, None),
-    ("file_size_limit", "open('big', 'wb').write(b'0' * (64 << 20))", "", {S.ERROR, S.MEMORY},
-     None),
-    ("open_files_limit", "fs = [open('f%d' % i, 'w') for i in range(100000)]", "", {S.ERROR},
-     lambda r: "Too many open files" in r.stderr),
-    ("see_other_processes",
-     "import os\npids = [p for p in os.listdir('/proc') if p.isdigit()]\nprint(len(pids))", "",
-     {S.OK}, lambda r: int(r.stdout) <= 3),
-    ("inherited_descriptors",
-     "import os\nprint(sorted(int(fd) for fd in os.listdir('/proc/self/fd')))", "", {S.OK},
-     lambda r: json.loads(r.stdout) in ([0, 1, 2], [0, 1, 2, 3])),  # 3: the listdir itself
-    ("env_secrets",
-     f"import os\nprint({SECRET_NAME!r} in os.environ, {SECRET_VALUE!r} in str(os.environ))", "",
-     {S.OK}, lambda r: r.stdout == "False False\n"),
-    ("other_processes_environ",
-     "import os\nfor p in os.listdir('/proc'):\n    if p.isdigit():\n        try:\n"
-     "            print(open(f'/proc/{p}/environ').read())\n        except OSError:\n"
-     "            pass", "", {S.OK}, lambda r: SECRET_VALUE not in r.stdout),
+    (
+        "write_etc_shadow",
+        "open('/etc/shadow', 'a').write('x')",
+        "",
+        {S.ERROR},
+        lambda r: "Read-only file system" in r.stderr or "Permission denied" in r.stderr,
+    ),
+    (
+        "write_tmp",
+        f"open('/tmp/{MARK}-file', 'w').write('x')",
+        "",
+        {S.ERROR},
+        lambda r: not Path(f"/tmp/{MARK}-file").exists(),
+    ),
+    (
+        "write_project_dir",
+        f"open('{PROJECT_ROOT}/{MARK}-file', 'w').write('x')",
+        "",
+        {S.ERROR},
+        lambda r: not (PROJECT_ROOT / f"{MARK}-file").exists(),
+    ),
+    (
+        "write_dev_shm_stays_private",
+        f"open('/dev/shm/{MARK}', 'w').write('x')\nprint('ok')",
+        "",
+        {S.OK},
+        lambda r: not Path(f"/dev/shm/{MARK}").exists(),
+    ),
+    (
+        "multiprocessing_pool_works",
+        "import multiprocessing as mp\ndef sq(x):\n    return x * x\n"
+        "with mp.Pool(2) as pool:\n    print(pool.map(sq, range(5)))",
+        "",
+        {S.OK},
+        lambda r: r.stdout == "[0, 1, 4, 9, 16]\n",
+    ),
+    ("write_sysctl", "open('/proc/sys/kernel/hostname', 'w').write('pwned')", "", {S.ERROR}, None),
+    (
+        "remount_root_rw",
+        "import ctypes\nassert ctypes.CDLL(None).mount(None, b'/', None, 32, None) != 0\nprint('no')",
+        "",
+        {S.OK},
+        None,
+    ),
+    (
+        "unshare_user_namespace_escape",
+        "import ctypes\nlibc = ctypes.CDLL(None)\n"
+        "assert libc.unshare(0x40000000) != 0 and libc.unshare(0x00020000) != 0\nprint('no')",
+        "",
+        {S.OK},
+        None,
+    ),
+    ("file_size_limit", "open('big', 'wb').write(b'0' * (64 << 20))", "", {S.ERROR, S.MEMORY}, None),
+    (
+        "open_files_limit",
+        "fs = [open('f%d' % i, 'w') for i in range(100000)]",
+        "",
+        {S.ERROR},
+        lambda r: "Too many open files" in r.stderr,
+    ),
+    (
+        "see_other_processes",
+        "import os\npids = [p for p in os.listdir('/proc') if p.isdigit()]\nprint(len(pids))",
+        "",
+        {S.OK},
+        lambda r: int(r.stdout) <= 3,
+    ),
+    (
+        "inherited_descriptors",
+        "import os\nprint(sorted(int(fd) for fd in os.listdir('/proc/self/fd')))",
+        "",
+        {S.OK},
+        lambda r: json.loads(r.stdout) in ([0, 1, 2], [0, 1, 2, 3]),
+    ),  # 3: the listdir itself
+    (
+        "env_secrets",
+        f"import os\nprint({SECRET_NAME!r} in os.environ, {SECRET_VALUE!r} in str(os.environ))",
+        "",
+        {S.OK},
+        lambda r: r.stdout == "False False\n",
+    ),
+    (
+        "other_processes_environ",
+        "import os\nfor p in os.listdir('/proc'):\n    if p.isdigit():\n        try:\n"
+        "            print(open(f'/proc/{p}/environ').read())\n        except OSError:\n"
+        "            pass",
+        "",
+        {S.OK},
+        lambda r: SECRET_VALUE not in r.stdout,
+    ),
 ]
 
 
-@pytest.mark.parametrize(
-    "code, stdin, allowed, check", [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE]
-)
+@pytest.mark.parametrize("code, stdin, allowed, check", [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
 def test_hostile_program(service: SandboxService, code, stdin, allowed, check) -> None:
     started = time.monotonic()
     result = execute(service.url, code, stdin)

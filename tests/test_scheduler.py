@@ -80,9 +80,21 @@ def test_unknown_policy_is_named() -> None:
 
 
 def test_simulation_finishes_every_rollout_and_kv_aware_never_evicts() -> None:
-    args = type("Args", (), dict(prompts=16, samples=8, max_response=4096, max_turns=5,
-                                 turn_median=600, tool_latencies=None, seed=1, engines=4,
-                                 kv_headroom=1.3))  # fmt: skip
+    args = type(
+        "Args",
+        (),
+        dict(
+            prompts=16,
+            samples=8,
+            max_response=4096,
+            max_turns=5,
+            turn_median=600,
+            tool_latencies=None,
+            seed=1,
+            engines=4,
+            kv_headroom=1.3,
+        ),
+    )
     tight = scheduler_sim.Hardware(kv_tokens=40_000)
     static = scheduler_sim.simulate("static", args, tight)
     kv_aware = scheduler_sim.simulate("kv_aware", args, tight)

@@ -14,14 +14,20 @@ from tasks.data.sources import SourceError
 from tasks.rollout.format import IM_END, IM_START, TOOL_CALL_CLOSE, TOOL_RESPONSE_OPEN, prompt_text, tool_response_text
 
 TOOL = "execute_python_code_with_standard_io"
-WEATHER = {"name": "get_weather", "description": "Current weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "Current weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 CALL_CHAT = [
     {"role": "system", "content": "You are a bot with tools."},
     {"role": "user", "content": "Weather in Oslo?"},
-    {"role": "assistant", "content": "",
-     "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
-    {"role": "tool", "content": "{\"temp_c\": -3}"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}],
+    },
+    {"role": "tool", "content": '{"temp_c": -3}'},
     {"role": "assistant", "content": "It is -3 C in Oslo."},
 ]
 
@@ -38,24 +44,46 @@ def test_a_function_calling_chat_in_the_rollout_format() -> None:
 
 
 def test_an_instruction_chat_lists_the_python_tool_and_continues_turns() -> None:
-    chat = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"},
-            {"role": "user", "content": "Again."}, {"role": "assistant", "content": "hi"}]
+    chat = [
+        {"role": "user", "content": "Say hi."},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "Again."},
+        {"role": "assistant", "content": "hi"},
+    ]
     segments = chat_segments(chat, None, TOOL, "compact")
     assert segments[0][0] == prompt_text("Say hi.", TOOL, "compact")
     assert segments[2] == (f"\n{IM_START}user\nAgain.{IM_END}\n{IM_START}assistant\n", False)
     assert [t for _, t in segments] == [False, True, False, True]
 
 
-@pytest.mark.parametrize("chat, reason", [
-    ([{"role": "assistant", "content": "hi"}], "must start with a user message"),
-    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>2+2</think>4"}], "reasoning trace"),
-    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
-        {"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]}, {"role": "tool", "content": "x"},
-      {"role": "assistant", "content": "done"}], "2 tool calls in one turn"),
-    ([{"role": "user", "content": "q"}, {"role": "tool", "content": "x"}, {"role": "assistant", "content": "a"}],
-     "must answer an assistant tool call"),
-    ("not a list", "messages must be a list"),
-])
+@pytest.mark.parametrize(
+    "chat, reason",
+    [
+        ([{"role": "assistant", "content": "hi"}], "must start with a user message"),
+        (
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>2+2</think>4"}],
+            "reasoning trace",
+        ),
+        (
+            [
+                {"role": "user", "content": "q"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}],
+                },
+                {"role": "tool", "content": "x"},
+                {"role": "assistant", "content": "done"},
+            ],
+            "2 tool calls in one turn",
+        ),
+        (
+            [{"role": "user", "content": "q"}, {"role": "tool", "content": "x"}, {"role": "assistant", "content": "a"}],
+            "must answer an assistant tool call",
+        ),
+        ("not a list", "messages must be a list"),
+    ],
+)
 def test_unusable_chats_say_why(chat, reason) -> None:
     with pytest.raises(ValueError, match=reason):
         chat_segments(chat, None, TOOL, "compact")
@@ -63,15 +91,19 @@ def test_unusable_chats_say_why(chat, reason) -> None:
 
 def test_chats_from_files_count_what_they_set_aside(tmp_path) -> None:
     path = tmp_path / "calls.jsonl"
-    rows = [{"messages": CALL_CHAT, "tools": json.dumps([WEATHER])},  # tools as JSON text (xLAM style)
-            {"messages": [{"role": "user", "content": "q"}]},  # no assistant answer
-            {"conversation": []}]  # no messages at all
+    rows = [
+        {"messages": CALL_CHAT, "tools": json.dumps([WEATHER])},  # tools as JSON text (xLAM style)
+        {"messages": [{"role": "user", "content": "q"}]},  # no assistant answer
+        {"conversation": []},
+    ]  # no messages at all
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     examples, rejected = chats_from_file("calls", "jsonl", path, "messages", "tools", None, TOOL, "compact")
     assert len(examples) == 1 and examples[0][1][0].endswith(TOOL_CALL_CLOSE)
     assert TOOL_RESPONSE_OPEN in examples[0][2][0]
     assert [(r.row_id, r.reason) for r in rejected] == [
-        ("calls:1", "a chat must end with an assistant message that calls no tool"), ("calls:2", "no 'messages'")]
+        ("calls:1", "a chat must end with an assistant message that calls no tool"),
+        ("calls:2", "no 'messages'"),
+    ]
     parquet = tmp_path / "chats.parquet"
     pq.write_table(pa.Table.from_pylist([{"conversation": "x"}]), parquet)
     with pytest.raises(SourceError, match=r"chats\.parquet: no column 'messages'"):

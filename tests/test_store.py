@@ -11,11 +11,17 @@ import duckdb
 import pyarrow as pa
 import pytest
 
-from tasks.summary.run_card import Stopwatch
 from tasks.store.tables import PROBLEMS, STEPS, read_table, step_part, write_json, write_table, write_text
+from tasks.summary.run_card import Stopwatch
 
-ROW = {"problem_id": "a", "kind": "arithmetic", "level": 1, "question": "Compute 1 + 1.", "answer": "2",
-       "solution_code": "print(1 + 1)"}
+ROW = {
+    "problem_id": "a",
+    "kind": "arithmetic",
+    "level": 1,
+    "question": "Compute 1 + 1.",
+    "answer": "2",
+    "solution_code": "print(1 + 1)",
+}
 
 
 def test_write_then_read(tmp_path):

@@ -24,7 +24,9 @@ def test_same_seed_same_files(tmp_path):
     first, second = _build(tmp_path / "a"), _build(tmp_path / "b")
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
-    assert (_build(tmp_path / "c", seed=1) / "model.safetensors").read_bytes() != (first / "model.safetensors").read_bytes()
+    assert (_build(tmp_path / "c", seed=1) / "model.safetensors").read_bytes() != (
+        first / "model.safetensors"
+    ).read_bytes()
 
 
 def test_loads_as_a_qwen2_causal_lm_with_untied_embeddings(tmp_path):
@@ -45,15 +47,15 @@ def test_tags_are_single_tokens_and_digits_split(tmp_path):
 
 
 def test_pretraining_starts_with_copy_drills_then_problems(tmp_path):
-    from tasks.data.pretrain import copy_documents
-    from tasks.data.pretrain import pretraining_phases
+    from tasks.data.pretrain import copy_documents, pretraining_phases
 
     for document in copy_documents(50, seed=1):
         prompt, numbers, rest = document.split("\n")
         assert prompt == "Repeat: " + numbers and rest == "" and 1 <= len(numbers.split()) <= 4
     tokenizer = AutoTokenizer.from_pretrained(_build(tmp_path / "m"))
-    tiny = CFG.model_copy(update={"pretrain_steps": 10, "pretrain_copy_share": 0.3, "pretrain_batch_size": 2,
-                                  "pretrain_seq_len": 32})
+    tiny = CFG.model_copy(
+        update={"pretrain_steps": 10, "pretrain_copy_share": 0.3, "pretrain_batch_size": 2, "pretrain_seq_len": 32}
+    )
     (drills, drill_steps), (problems, problem_steps) = pretraining_phases(tokenizer, tiny, [1, 2], seed=0)
     assert (drill_steps, problem_steps) == (3, 7)
     assert all(len(s.token_ids) == 32 and all(s.loss_mask) for s in drills + problems)

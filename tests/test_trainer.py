@@ -66,10 +66,16 @@ def test_micro_batches_group_samples_of_similar_length():
 def test_update_does_not_depend_on_the_micro_batch_size(trainer, tmp_path):
     """Samples of mixed lengths in one micro-batch or in four: the same loss, entropy and gradient."""
     model_dir = trainer.save_pretrained(tmp_path / "start")
-    samples = [Sample(list(range(3, 3 + n)), [0] * 4 + [1] * (n - 4), a)
-               for n, a in ((30, 1.0), (9, -1.0), (21, 0.5), (12, -0.5), (27, 1.0), (8, -1.0), (16, 1.0))]
-    metrics = [Trainer(model_dir, OptimConfig(lr=1e-2, warmup_steps=0, zero_stage=1, micro_batch_size=size),
-                       total_steps=2).rl_step(samples, LossConfig(), temperature=0.6) for size in (2, 8)]
+    samples = [
+        Sample(list(range(3, 3 + n)), [0] * 4 + [1] * (n - 4), a)
+        for n, a in ((30, 1.0), (9, -1.0), (21, 0.5), (12, -0.5), (27, 1.0), (8, -1.0), (16, 1.0))
+    ]
+    metrics = [
+        Trainer(
+            model_dir, OptimConfig(lr=1e-2, warmup_steps=0, zero_stage=1, micro_batch_size=size), total_steps=2
+        ).rl_step(samples, LossConfig(), temperature=0.6)
+        for size in (2, 8)
+    ]
     for key in ("loss", "entropy", "grad_norm", "tokens"):
         assert metrics[0][key] == pytest.approx(metrics[1][key], rel=1e-5), key
 
@@ -86,8 +92,12 @@ def test_lr_schedule_warms_up_from_the_first_step():
 def test_zero3_and_bf16_update_and_export_full_weights(trainer, zero_stage, dtype, tmp_path):
     model_dir = tmp_path / "start"
     trainer.save_pretrained(model_dir)
-    other = Trainer(model_dir, OptimConfig(lr=1e-2, warmup_steps=0, zero_stage=zero_stage, micro_batch_size=2),
-                    total_steps=3, dtype=dtype)
+    other = Trainer(
+        model_dir,
+        OptimConfig(lr=1e-2, warmup_steps=0, zero_stage=zero_stage, micro_batch_size=2),
+        total_steps=3,
+        dtype=dtype,
+    )
     before = {name: tensor.float().clone() for name, tensor in other.named_weights()}
     metrics = other.rl_step(_samples([1.0, -1.0, 1.0]), LossConfig())
     after = dict(other.named_weights())

@@ -8,9 +8,9 @@ import pytest
 
 from tasks.config import EngineConfig, OptimConfig
 from tasks.data.problems import generate_problems
-from tasks.train.sample import Sample
 from tasks.rollout.engine import Engine
 from tasks.rollout.metrics import max_logprob_gap
+from tasks.train.sample import Sample
 from tasks.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # starts engines or trains

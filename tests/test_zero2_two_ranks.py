@@ -29,8 +29,9 @@ STEPS = 3
 
 def batch(step: int) -> list[Sample]:
     """Eight samples of different lengths, so the two halves carry different token counts."""
-    return [Sample(list(range(3 + i, 13 + 2 * i + step)), [0] * 3 + [1] * (7 + i + step), (-1.0) ** i)
-            for i in range(8)]
+    return [
+        Sample(list(range(3 + i, 13 + 2 * i + step)), [0] * 3 + [1] * (7 + i + step), (-1.0) ** i) for i in range(8)
+    ]
 
 
 def half(step: int, rank: int) -> list[Sample]:
@@ -52,7 +53,8 @@ def _free_port() -> int:
 
 def test_two_ranks_agree_with_each_other_and_with_one_process(model_dir, tmp_path):
     script = tmp_path / "rank.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import torch
         from pathlib import Path
         from tasks.config import LossConfig
@@ -63,15 +65,30 @@ def test_two_ranks_agree_with_each_other_and_with_one_process(model_dir, tmp_pat
         for step in range(STEPS):
             trainer.rl_step(half(step, rank), LossConfig())
         torch.save(dict(trainer.named_weights()), Path({str(tmp_path)!r}) / f"rank{{rank}}.pt")
-    """))
+    """)
+    )
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)  # torchrun sets its own
     launched = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(_free_port()), str(script)],
-        cwd=root, env=env, capture_output=True, text=True, timeout=400,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(_free_port()),
+            str(script),
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert launched.returncode == 0, launched.stderr[-3000:]
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))

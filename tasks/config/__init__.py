@@ -54,7 +54,7 @@ class _Source(_Strict):
     limit: int | None = None  # the first rows only
 
     @model_validator(mode="after")
-    def _path_given(self) -> "_Source":
+    def _path_given(self) -> _Source:
         if self.format != "generated" and not self.path:
             raise ValueError(f"source {self.name!r}: format {self.format!r} needs a path")
         return self
@@ -87,7 +87,7 @@ class ConsensusConfig(RolloutBudget):
     max_response_tokens: int = 1024
 
     @model_validator(mode="after")
-    def _m_at_most_n(self) -> "ConsensusConfig":
+    def _m_at_most_n(self) -> ConsensusConfig:
         if self.m > self.n:
             raise ValueError(f"consensus.m ({self.m}) cannot exceed consensus.n ({self.n})")
         return self
@@ -136,7 +136,8 @@ class SftConfig(_Strict):
     # Of the generated tool-call examples, the share whose first call fails (half malformed, half
     # a failing program) and is corrected; the failed call is context, not a target. Without
     # them the tiny policy answers at once after a failed call, so its positives carry no tool
-    # errors for RoC to filter (0.1%); with 0.3 (the tiny default), 7-9% do (LOG.md, 2026-11-24 recovery-from-malformed-calls entry).
+    # errors for RoC to filter (0.1%); with 0.3 (the tiny default), 7-9% do
+    # (LOG.md, 2026-11-24 recovery-from-malformed-calls entry).
     recovery_share: float = Field(0.0, ge=0.0, le=1.0)
     epochs: int = 3
     batch_size: int = 32
@@ -262,8 +263,10 @@ class RLConfig(_Strict):
             raise ValueError(f"stages {unknown} are not in the config's rl.stages {known}")
         first = min(known.index(n) for n in names) if names else len(known)
         if missing := [n for n in known[:first] if n not in finished]:
-            raise ValueError(f"the run has not finished stages {missing}, which come before {names}: "
-                             f"run them first (stages={missing + list(names)})")
+            raise ValueError(
+                f"the run has not finished stages {missing}, which come before {names}: "
+                f"run them first (stages={missing + list(names)})"
+            )
         return [s for s in self.stages if s.name in names]
 
 

@@ -55,8 +55,11 @@ def broken_program(code: str, rng: random.Random) -> tuple[str, str]:
     that fails before doing any work)."""
     kinds = ["typo", "unclosed"] + (["no_import"] if code.startswith("import math\n") else [])
     kind = rng.choice(kinds)
-    broken = {"typo": code.replace("print(", "prnt(", 1), "unclosed": code[:-1],
-              "no_import": code.removeprefix("import math\n")}[kind]
+    broken = {
+        "typo": code.replace("print(", "prnt(", 1),
+        "unclosed": code[:-1],
+        "no_import": code.removeprefix("import math\n"),
+    }[kind]
     linecache.cache["<code>"] = (len(broken), None, broken.splitlines(True), "<code>")  # quoted in tracebacks
     try:
         exec(compile(broken, "<code>", "exec"), {})  # noqa: S102
@@ -82,8 +85,9 @@ def malformed_call(tool_name: str, code: str, rng: random.Random) -> tuple[str, 
     raise ValueError(f"no one-character drop of {call!r} fails to parse")
 
 
-def recovery_example(question: str, code: str, answer: str, tool_name: str, tool_spec: str,
-                     rng: random.Random) -> Segments:
+def recovery_example(
+    question: str, code: str, answer: str, tool_name: str, tool_spec: str, rng: random.Random
+) -> Segments:
     """A failing tool call (half malformed, half a failing program), its error, the corrected
     call and the answer. The failing call is context, not a target: the model learns to recover
     from an error, not to make one. This is what gives RL positive trajectories that contain
@@ -110,8 +114,15 @@ def instruction_example(number: int, tool_name: str, tool_spec: str) -> Segments
     ]
 
 
-def build_sft_examples(n: int, levels: list[int], seed: int, tool_name: str, tool_spec: str = "schema",
-                       tool_share: float = 0.8, recovery_share: float = 0.0) -> list[Segments]:
+def build_sft_examples(
+    n: int,
+    levels: list[int],
+    seed: int,
+    tool_name: str,
+    tool_spec: str = "schema",
+    tool_share: float = 0.8,
+    recovery_share: float = 0.0,
+) -> list[Segments]:
     """n examples, a `tool_share` of them tool calls, a `recovery_share` of those recovering
     from a failed first call; deterministic from the seed."""
     rng = random.Random(seed)
@@ -119,10 +130,13 @@ def build_sft_examples(n: int, levels: list[int], seed: int, tool_name: str, too
     n_recovery = round(n_tool * recovery_share)
     # Offset the seed so these problems are not the curated train/held-out problems.
     problems = generate_problems(n_tool, levels, seed=seed + 1_000_003)
-    examples = [recovery_example(p.question, p.solution_code, p.answer, tool_name, tool_spec, rng)
-                for p in problems[:n_recovery]]
-    examples += [tool_call_example(p.question, p.solution_code, p.answer, tool_name, tool_spec)
-                 for p in problems[n_recovery:]]
+    examples = [
+        recovery_example(p.question, p.solution_code, p.answer, tool_name, tool_spec, rng)
+        for p in problems[:n_recovery]
+    ]
+    examples += [
+        tool_call_example(p.question, p.solution_code, p.answer, tool_name, tool_spec) for p in problems[n_recovery:]
+    ]
     examples += [instruction_example(rng.randint(0, 10**6), tool_name, tool_spec) for _ in range(n - n_tool)]
     rng.shuffle(examples)
     return examples
@@ -216,8 +230,9 @@ def chat_segments(messages, tools, tool_name: str, tool_spec: str) -> Segments:
     return segments
 
 
-def chats_from_file(name: str, fmt: str, path, messages: str, tools: str | None, limit: int | None,
-                    tool_name: str, tool_spec: str) -> tuple[list[Segments], list[Rejected]]:
+def chats_from_file(
+    name: str, fmt: str, path, messages: str, tools: str | None, limit: int | None, tool_name: str, tool_spec: str
+) -> tuple[list[Segments], list[Rejected]]:
     """Every usable chat of a file as segments; the others with their row id and reason."""
     examples: list[Segments] = []
     rejected: list[Rejected] = []
@@ -230,8 +245,7 @@ def chats_from_file(name: str, fmt: str, path, messages: str, tools: str | None,
         try:
             if messages not in record:
                 raise ValueError(f"no {messages!r}")
-            examples.append(chat_segments(record[messages], record.get(tools) if tools else None, tool_name,
-                                          tool_spec))
+            examples.append(chat_segments(record[messages], record.get(tools) if tools else None, tool_name, tool_spec))
         except (ValueError, TypeError) as exc:
             rejected.append(Rejected(f"{name}:{number}", name, "sft", str(exc)))
     return examples, rejected
@@ -246,11 +260,28 @@ def sft_examples(cfg: RunConfig, recovery: bool = True) -> tuple[list[Segments],
     for source in cfg.sft.sources:
         if source.format == "generated":
             share = cfg.sft.recovery_share if recovery else 0.0
-            found, rejected = build_sft_examples(cfg.sft.n_examples, cfg.data.levels, cfg.seed, cfg.rollout.tool_name,
-                                                 cfg.rollout.tool_spec, recovery_share=share), []
+            found, rejected = (
+                build_sft_examples(
+                    cfg.sft.n_examples,
+                    cfg.data.levels,
+                    cfg.seed,
+                    cfg.rollout.tool_name,
+                    cfg.rollout.tool_spec,
+                    recovery_share=share,
+                ),
+                [],
+            )
         else:
-            found, rejected = chats_from_file(source.name, source.format, source.path, source.messages, source.tools,
-                                              source.limit, cfg.rollout.tool_name, cfg.rollout.tool_spec)
+            found, rejected = chats_from_file(
+                source.name,
+                source.format,
+                source.path,
+                source.messages,
+                source.tools,
+                source.limit,
+                cfg.rollout.tool_name,
+                cfg.rollout.tool_spec,
+            )
         examples += found
         counts[f"sft/{source.name}/examples"], counts[f"sft/{source.name}/rejected"] = len(found), len(rejected)
         reasons = "; ".join(f"{r.row_id}: {r.reason}" for r in rejected[:5])

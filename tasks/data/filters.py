@@ -53,14 +53,20 @@ def _partition(rows: list[RawProblem], stage: str, reason_of) -> tuple[list[RawP
 
 
 def integer_answers(rows: list[RawProblem]) -> tuple[list[RawProblem], list[Rejected]]:
-    kept, rejected = _partition(rows, "integer", lambda row: None if parse_integer(row.answer) is not None
-                                else f"answer {row.answer[:40]!r} is not an integer")
-    return [replace(r, question=normalize_text(r.question), answer=str(parse_integer(r.answer))) for r in kept], rejected
+    kept, rejected = _partition(
+        rows,
+        "integer",
+        lambda row: None if parse_integer(row.answer) is not None else f"answer {row.answer[:40]!r} is not an integer",
+    )
+    return [
+        replace(r, question=normalize_text(r.question), answer=str(parse_integer(r.answer))) for r in kept
+    ], rejected
 
 
 def small_answers(rows: list[RawProblem], max_digits: int) -> tuple[list[RawProblem], list[Rejected]]:
     """Drop answers of more than `max_digits` digits: a label that long is more often a
     formatting accident than a result, and verifying it rewards copying digits."""
+
     def reason_of(row: RawProblem) -> str | None:
         digits = len(row.answer.lstrip("+-"))
         return f"answer has {digits} digits > {max_digits}" if digits > max_digits else None
@@ -98,8 +104,9 @@ def _jaccard(a: set[str], b: set[str]) -> float:
 _PRIME = (1 << 61) - 1
 
 
-def near_duplicates(rows: list[RawProblem], threshold: float, bands: int = 16, rows_per_band: int = 4,
-                    seed: int = 0) -> tuple[list[RawProblem], list[Rejected]]:
+def near_duplicates(
+    rows: list[RawProblem], threshold: float, bands: int = 16, rows_per_band: int = 4, seed: int = 0
+) -> tuple[list[RawProblem], list[Rejected]]:
     """Character 5-gram Jaccard similarity >= `threshold` to an earlier kept row with the same
     numbers. MinHash with
     banding proposes candidate pairs (deterministic hashes: same result every run); each
@@ -120,12 +127,19 @@ def near_duplicates(rows: list[RawProblem], threshold: float, bands: int = 16, r
         numbers = sorted(_NUMBER.findall(row.question))
         # The same problem up to wording has the same numbers; templated problems that differ
         # only in a number are different problems.
-        match = next((i for i in sorted(candidates)
-                      if kept_numbers[i] == numbers and _jaccard(shingles, kept_shingles[i]) >= threshold), None)
+        match = next(
+            (
+                i
+                for i in sorted(candidates)
+                if kept_numbers[i] == numbers and _jaccard(shingles, kept_shingles[i]) >= threshold
+            ),
+            None,
+        )
         if match is not None:
             similarity = _jaccard(shingles, kept_shingles[match])
-            rejected.append(Rejected(row.row_id, row.source, "near_duplicate",
-                                     f"{similarity:.2f} similar to {kept[match].row_id}"))
+            rejected.append(
+                Rejected(row.row_id, row.source, "near_duplicate", f"{similarity:.2f} similar to {kept[match].row_id}")
+            )
             continue
         for key in keys:
             buckets.setdefault(key, []).append(len(kept))
@@ -135,10 +149,12 @@ def near_duplicates(rows: list[RawProblem], threshold: float, bands: int = 16, r
     return kept, rejected
 
 
-def decontaminate(rows: list[RawProblem], evaluation: list[RawProblem], n: int = 8
-                  ) -> tuple[list[RawProblem], list[Rejected]]:
+def decontaminate(
+    rows: list[RawProblem], evaluation: list[RawProblem], n: int = 8
+) -> tuple[list[RawProblem], list[Rejected]]:
     """Drop training problems that share a word n-gram with an evaluation problem (the whole
     text, for problems shorter than n words)."""
+
     def grams(text: str) -> set[tuple[str, ...]]:
         words = _WORD.findall(text.lower())
         return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)} if len(words) >= n else {tuple(words)}
@@ -147,6 +163,7 @@ def decontaminate(rows: list[RawProblem], evaluation: list[RawProblem], n: int =
     for row in evaluation:
         for gram in grams(row.question):
             owner.setdefault(gram, row.row_id)
+
     def reason_of(row: RawProblem) -> str | None:
         hit = next((owner[g] for g in grams(row.question) if g in owner), None)
         return None if hit is None else f"shares a {n}-gram with {hit}"
@@ -154,8 +171,13 @@ def decontaminate(rows: list[RawProblem], evaluation: list[RawProblem], n: int =
     return _partition(rows, "decontamination", reason_of)
 
 
-def curate_rows(rows: list[RawProblem], evaluation: list[RawProblem], max_answer_digits: int,
-                near_duplicate_threshold: float, ngram: int) -> tuple[list[RawProblem], list[Rejected], list[dict]]:
+def curate_rows(
+    rows: list[RawProblem],
+    evaluation: list[RawProblem],
+    max_answer_digits: int,
+    near_duplicate_threshold: float,
+    ngram: int,
+) -> tuple[list[RawProblem], list[Rejected], list[dict]]:
     """All filters in order; (kept, rejected, one count row per filter)."""
     steps = [
         ("integer", integer_answers),

@@ -25,8 +25,9 @@ def copy_documents(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     documents = []
     for _ in range(n):
-        numbers = " ".join(str(rng.randint(10 ** (d - 1), 10**d - 1)) for d in
-                           (rng.randint(1, 8) for _ in range(rng.randint(1, 4))))
+        numbers = " ".join(
+            str(rng.randint(10 ** (d - 1), 10**d - 1)) for d in (rng.randint(1, 8) for _ in range(rng.randint(1, 4)))
+        )
         documents.append(f"Repeat: {numbers}\n{numbers}\n")
     return documents
 
@@ -44,8 +45,9 @@ def pack_documents(tokenizer, documents: list[str], seq_len: int) -> list[list[i
     return [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
 
 
-def pretraining_phases(tokenizer, tiny: TinyModelConfig, levels: list[int],
-                       seed: int) -> list[tuple[list[Sample], int]]:
+def pretraining_phases(
+    tokenizer, tiny: TinyModelConfig, levels: list[int], seed: int
+) -> list[tuple[list[Sample], int]]:
     """(packed samples, optimizer steps) per phase of the tiny model's pre-training: copy drills
     first, so the copy mechanism forms, then problem documents."""
     copy_steps = round(tiny.pretrain_steps * tiny.pretrain_copy_share)

@@ -28,8 +28,16 @@ def read_source(source: SourceConfig, data: DataConfig) -> tuple[list[RawProblem
         problems = generate_problems(data.n_train + data.n_heldout, data.levels, data.seed)
         rows = [RawProblem(p.problem_id, source.name, p.question, p.answer) for p in problems]
         return rows, [], {p.problem_id: p for p in problems}
-    rows, rejected = load_source(source.name, source.format, Path(source.path), source.problem, source.answer,
-                                 source.id, source.split, source.limit)
+    rows, rejected = load_source(
+        source.name,
+        source.format,
+        Path(source.path),
+        source.problem,
+        source.answer,
+        source.id,
+        source.split,
+        source.limit,
+    )
     return rows, rejected, {}
 
 
@@ -52,21 +60,29 @@ def curate(data: DataConfig, run_dir: Path) -> dict:
         rows += source_rows
         rejected += malformed
         generated.update(source_generated)
-    evaluation = [RawProblem(p.problem_id, p.kind, p.question, p.answer)
-                  for source in data.benchmarks for p in load_benchmark(source, data)]
+    evaluation = [
+        RawProblem(p.problem_id, p.kind, p.question, p.answer)
+        for source in data.benchmarks
+        for p in load_benchmark(source, data)
+    ]
     malformed = len(rejected)
-    kept, removed, counts = curate_rows(rows, evaluation, data.max_answer_digits, data.near_duplicate_threshold,
-                                        data.decontamination_ngram)
+    kept, removed, counts = curate_rows(
+        rows, evaluation, data.max_answer_digits, data.near_duplicate_threshold, data.decontamination_ngram
+    )
     counts.insert(0, {"filter": "malformed", "in": len(rows) + malformed, "removed": malformed, "kept": len(rows)})
     rejected += removed
     problems = [generated.get(r.row_id) or Problem(r.row_id, r.source, 0, r.question, r.answer, "") for r in kept]
     if len(problems) <= data.n_heldout:
-        raise ValueError(f"curation kept {len(problems)} problems, not more than data.n_heldout={data.n_heldout}: "
-                         f"nothing would be left to train on (see {run_dir / 'data' / 'rejected.parquet'})")
+        raise ValueError(
+            f"curation kept {len(problems)} problems, not more than data.n_heldout={data.n_heldout}: "
+            f"nothing would be left to train on (see {run_dir / 'data' / 'rejected.parquet'})"
+        )
     train, heldout = split_problems(problems, data.n_heldout, data.seed)
     out = run_dir / "data"
-    paths = {name: write_table([p.to_row() for p in split], PROBLEMS, out / f"{name}.parquet")
-             for name, split in (("train", train), ("heldout", heldout))}
+    paths = {
+        name: write_table([p.to_row() for p in split], PROBLEMS, out / f"{name}.parquet")
+        for name, split in (("train", train), ("heldout", heldout))
+    }
     paths["rejected"] = write_table([asdict(r) for r in rejected], REJECTED, out / "rejected.parquet")
     paths["curation"] = write_table(counts, CURATION, out / "curation.parquet")
     return {"paths": paths, "counts": counts}
@@ -82,17 +98,24 @@ def apply_consensus(run_dir: Path, attempts: Rollouts, m: int) -> tuple[list[Pro
     kept = [p for p in problems if solved.get(p.problem_id, 0) >= m]
     out = run_dir / "data"
     counts = read_table(out / "curation.parquet")
-    counts.append({"filter": "consensus", "in": len(problems), "removed": len(problems) - len(kept),
-                   "kept": len(kept)})
+    counts.append({"filter": "consensus", "in": len(problems), "removed": len(problems) - len(kept), "kept": len(kept)})
     rejected = read_table(out / "rejected.parquet") + [
-        {"row_id": p.problem_id, "source": p.kind, "stage": "consensus",
-         "reason": f"label reached {solved.get(p.problem_id, 0)} of {n} times (< {m})"}
-        for p in problems if solved.get(p.problem_id, 0) < m]
+        {
+            "row_id": p.problem_id,
+            "source": p.kind,
+            "stage": "consensus",
+            "reason": f"label reached {solved.get(p.problem_id, 0)} of {n} times (< {m})",
+        }
+        for p in problems
+        if solved.get(p.problem_id, 0) < m
+    ]
     write_table(rejected, REJECTED, out / "rejected.parquet")
     write_table(counts, CURATION, out / "curation.parquet")
     if not kept:
-        raise ValueError(f"the consensus filter kept no problem (none solved {m} of {n} times); lower "
-                         "data.consensus.m or leave the filter off until the policy can solve some")
+        raise ValueError(
+            f"the consensus filter kept no problem (none solved {m} of {n} times); lower "
+            "data.consensus.m or leave the filter off until the policy can solve some"
+        )
     return kept, counts
 
 

@@ -127,8 +127,10 @@ def problem_statements(n: int, levels: list[int], seed: int) -> Iterator[tuple[s
 
 def generate_problems(n: int, levels: list[int], seed: int) -> list[Problem]:
     """n distinct problems with their answers (see `problem_statements`)."""
-    return [Problem(problem_id(question), kind, level, question, solve(kind, question, code), code)
-            for kind, level, question, code in problem_statements(n, levels, seed)]
+    return [
+        Problem(problem_id(question), kind, level, question, solve(kind, question, code), code)
+        for kind, level, question, code in problem_statements(n, levels, seed)
+    ]
 
 
 def split_problems(problems: list[Problem], n_heldout: int, seed: int) -> tuple[list[Problem], list[Problem]]:

@@ -105,16 +105,25 @@ def _read_saved_dataset(directory: Path) -> pa.Table:
     return pa.concat_tables(tables)
 
 
-def load_source(name: str, fmt: str, path: Path, problem: str, answer: str, id_column: str | None = None,
-                split: str | None = None, limit: int | None = None) -> tuple[list[RawProblem], list[Rejected]]:
+def load_source(
+    name: str,
+    fmt: str,
+    path: Path,
+    problem: str,
+    answer: str,
+    id_column: str | None = None,
+    split: str | None = None,
+    limit: int | None = None,
+) -> tuple[list[RawProblem], list[Rejected]]:
     """The source's usable rows, and its malformed ones with the reason."""
     columns, records = read_records(fmt, Path(path), split)
     wanted = [c for c in (problem, answer, id_column) if c]
     if columns is not None:
         for column in wanted:
             if column.split(".")[0] not in columns:
-                raise SourceError(f"{path}: no column {column.split('.')[0]!r} (needed for {column!r}); "
-                                  f"its columns: {columns}")
+                raise SourceError(
+                    f"{path}: no column {column.split('.')[0]!r} (needed for {column!r}); its columns: {columns}"
+                )
     rows: list[RawProblem] = []
     rejected: list[Rejected] = []
     seen_columns: set[str] = set()
@@ -143,6 +152,8 @@ def load_source(name: str, fmt: str, path: Path, problem: str, answer: str, id_c
     if columns is None and (rows or rejected):
         for column in wanted:
             if column.split(".")[0] not in seen_columns:
-                raise SourceError(f"{path}: no row has the key {column.split('.')[0]!r} (needed for {column!r}); "
-                                  f"keys seen: {sorted(seen_columns)}")
+                raise SourceError(
+                    f"{path}: no row has the key {column.split('.')[0]!r} (needed for {column!r}); "
+                    f"keys seen: {sorted(seen_columns)}"
+                )
     return rows, rejected

@@ -99,11 +99,10 @@ def extract_answer(response: str) -> str | None:
         return None
     start, end = blocks[-1]
     block = response[start:end]
-    last = None
-    for last in _BOXED.finditer(block):
-        pass
-    if last is None:
+    boxed = list(_BOXED.finditer(block))
+    if not boxed:
         return None
+    last = boxed[-1]
     content = _braced_content(block, last.end() - 1)
     return None if content is None else content.strip()
 
@@ -215,9 +214,7 @@ class Verifier:
 
     def _start_pool(self) -> concurrent.futures.ProcessPoolExecutor:
         # spawn: a fork of a multi-threaded parent (Prefect, torch) can inherit held locks
-        pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=1, mp_context=multiprocessing.get_context("spawn")
-        )
+        pool = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
         try:
             pool.submit(_warm_up).result(timeout=self.startup_timeout_s)
         except BaseException:

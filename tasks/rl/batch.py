@@ -8,7 +8,6 @@ Pure: no I/O; every random choice is seeded from (run seed, stage, step), so a r
 from __future__ import annotations
 
 import random
-
 from collections import Counter
 
 from tasks.config import RocConfig
@@ -64,8 +63,14 @@ def select_training_batch(
     for index, traj in enumerate(trajectories):
         groups.setdefault(traj.problem_id, []).append(index)
     members = list(groups.values())
-    result = downsample([[scores[i] for i in group] for group in members], keep, roc.mode, rng,
-                        drop_zero_signal=roc.drop_zero_signal, count_turns=roc.count_turns)
+    result = downsample(
+        [[scores[i] for i in group] for group in members],
+        keep,
+        roc.mode,
+        rng,
+        drop_zero_signal=roc.drop_zero_signal,
+        count_turns=roc.count_turns,
+    )
     kept, advantages = [False] * len(trajectories), [0.0] * len(trajectories)
     samples = []
     for group, kept_positions in zip(members, result.kept):
@@ -73,16 +78,17 @@ def select_training_batch(
         for index, advantage in zip(chosen, group_advantages([scores[i].reward for i in chosen])):
             kept[index], advantages[index] = True, advantage
             traj = trajectories[index]
-            samples.append(Sample(traj.prompt_ids + traj.response_ids,
-                                  [0] * len(traj.prompt_ids) + traj.loss_mask, advantage))
+            samples.append(
+                Sample(traj.prompt_ids + traj.response_ids, [0] * len(traj.prompt_ids) + traj.loss_mask, advantage)
+            )
     return TrainingBatch(samples, kept, advantages, result)
-
 
 
 def training_batch(rollouts: Rollouts, keep: int, roc: RocConfig, seed: int, stage: str, step: int) -> TrainingBatch:
     """GRPO-RoC on a step's scored rollouts, its random choices seeded by (seed, stage, step)."""
-    scores = [trajectory_score(t, r, b)
-              for t, r, b in zip(rollouts.trajectories, rollouts.rewards, rollouts.answer_blocks)]
+    scores = [
+        trajectory_score(t, r, b) for t, r, b in zip(rollouts.trajectories, rollouts.rewards, rollouts.answer_blocks)
+    ]
     return select_training_batch(rollouts.trajectories, scores, keep, roc, random.Random(f"{seed}/{stage}/{step}/roc"))
 
 
@@ -101,9 +107,17 @@ def step_metrics(rollouts: Rollouts, batch: TrainingBatch, update: dict) -> dict
     times = rollouts.times
     metrics = rollout_metrics(rollouts.trajectories, rollouts.rewards)
     metrics.update(batch.roc.metrics(prefix="roc/"))
-    metrics.update({"kept": sum(batch.kept), "dropped": len(batch.kept) - sum(batch.kept),
-                    "time_rollout_s": times.total_s, "time_tool_wait_s": times.tool_wait_s,
-                    "time_tool_exec_s": times.tool_exec_s, "engine_idle_fraction": times.engine_idle_fraction,
-                    "engine_preemptions": times.preemptions, "kv_reserve_tokens": times.kv_reserve_tokens})
+    metrics.update(
+        {
+            "kept": sum(batch.kept),
+            "dropped": len(batch.kept) - sum(batch.kept),
+            "time_rollout_s": times.total_s,
+            "time_tool_wait_s": times.tool_wait_s,
+            "time_tool_exec_s": times.tool_exec_s,
+            "engine_idle_fraction": times.engine_idle_fraction,
+            "engine_preemptions": times.preemptions,
+            "kv_reserve_tokens": times.kv_reserve_tokens,
+        }
+    )
     metrics.update(update)
     return metrics

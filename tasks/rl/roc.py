@@ -21,8 +21,9 @@ Everything here is pure: plain data in, plain data out, randomness only from the
 import math
 import random
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 Mode = Literal["paper", "release", "off"]
 CountTurns = Literal["all", "after_first_tool"]
@@ -103,8 +104,9 @@ def _clamp_positive_count(k_pos: int, n_pos: int, n_neg: int, keep: int, min_per
     lo = max(min(n_pos, min_per_class), keep - n_neg)
     hi = min(n_pos, keep - min(n_neg, min_per_class))
     if lo > hi:
-        raise ValueError(f"cannot keep {keep} of {n_pos} positives + {n_neg} negatives "
-                         f"with at least {min_per_class} per class")
+        raise ValueError(
+            f"cannot keep {keep} of {n_pos} positives + {n_neg} negatives with at least {min_per_class} per class"
+        )
     return min(max(k_pos, lo), hi)
 
 

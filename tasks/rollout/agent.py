@@ -20,8 +20,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from tqdm import tqdm
 
-from tasks.rollout.pool import EnginePool
-from tasks.rollout.scheduler import make_scheduler, reserve_tokens
 from tasks.rollout.format import (
     ANSWER_OPEN,
     TOOL_CALL_CLOSE,
@@ -32,9 +30,11 @@ from tasks.rollout.format import (
     tool_response_text,
     truncate_middle,
 )
+from tasks.rollout.pool import EnginePool
+from tasks.rollout.scheduler import make_scheduler, reserve_tokens
+from tasks.rollout.trajectory import RolloutSpec, RolloutTimes, ToolCallRecord, Trajectory
 from tasks.sandbox.client import SandboxClient
 from tasks.sandbox.status import ToolResult, ToolStatus
-from tasks.rollout.trajectory import RolloutSpec, RolloutTimes, ToolCallRecord, Trajectory
 
 
 def render_tool_result(result: ToolResult, max_chars: int) -> str:
@@ -50,8 +50,9 @@ def render_tool_result(result: ToolResult, max_chars: int) -> str:
     return truncate_middle(text.strip(), max_chars)
 
 
-def end_turn(traj: Trajectory, token_ids: list[int], text: str, finish_reason: str, spec: RolloutSpec,
-             tool_call_close: int) -> ToolCall | ToolCallError | None:
+def end_turn(
+    traj: Trajectory, token_ids: list[int], text: str, finish_reason: str, spec: RolloutSpec, tool_call_close: int
+) -> ToolCall | ToolCallError | None:
     """Record a finished assistant turn and say what comes next.
 
     Returns the tool call to run, the parse error to answer with, or None when the trajectory
@@ -121,12 +122,15 @@ def run_rollouts(
     max_model_len = pool.cfg.max_model_len
     trajectories: list[Trajectory] = []
     for problem_id, question in problems:
-        prompt_ids = tokenizer(prompt_text(question, spec.tool_name, spec.tool_spec), add_special_tokens=False)["input_ids"]
+        prompt_ids = tokenizer(prompt_text(question, spec.tool_name, spec.tool_spec), add_special_tokens=False)[
+            "input_ids"
+        ]
         trajectories += [Trajectory(problem_id, s, prompt_ids) for s in range(samples_per_problem)]
     longest = max((len(t.prompt_ids) for t in trajectories), default=0)
     cfg = pool.cfg
-    times.kv_reserve_tokens = reserve_tokens(cfg.kv_reserve, min(max_model_len, longest + spec.max_response_tokens),
-                                             pool.last_rollout_sizes, cfg.kv_headroom)
+    times.kv_reserve_tokens = reserve_tokens(
+        cfg.kv_reserve, min(max_model_len, longest + spec.max_response_tokens), pool.last_rollout_sizes, cfg.kv_headroom
+    )
     scheduler = make_scheduler(cfg.scheduler, pool.kv_tokens, times.kv_reserve_tokens, range(len(trajectories)))
     engine_of: dict[int, int] = {}
     generating: set[int] = set()
@@ -138,8 +142,10 @@ def run_rollouts(
         """Ask the rollout's engine for its next assistant turn, or end the rollout when no
         budget is left."""
         traj = trajectories[index]
-        budget = min(spec.max_response_tokens - len(traj.response_ids),
-                     max_model_len - len(traj.prompt_ids) - len(traj.response_ids))
+        budget = min(
+            spec.max_response_tokens - len(traj.response_ids),
+            max_model_len - len(traj.prompt_ids) - len(traj.response_ids),
+        )
         if budget <= 0:
             traj.stop_reason = "budget"
             # A tool response may overshoot the shared budget: the trainer never sees past it.
@@ -148,8 +154,13 @@ def run_rollouts(
             end_rollout(index)
             return
         pool.add_request(
-            engine_of[index], f"{index}:{traj.turns}", traj.prompt_ids + traj.response_ids, budget,
-            spec.temperature, spec.top_p, [tool_call_close],
+            engine_of[index],
+            f"{index}:{traj.turns}",
+            traj.prompt_ids + traj.response_ids,
+            budget,
+            spec.temperature,
+            spec.top_p,
+            [tool_call_close],
         )
         generating.add(index)
 

@@ -90,8 +90,12 @@ class Engine:
 
     def stats(self) -> dict:
         """Seconds spent generating and preemptions so far; the threads and cores it runs on."""
-        return {"busy_s": self.busy_s, "preemptions": self.preemptions, "threads": torch.get_num_threads(),
-                "cores": available_cores()}
+        return {
+            "busy_s": self.busy_s,
+            "preemptions": self.preemptions,
+            "threads": torch.get_num_threads(),
+            "cores": available_cores(),
+        }
 
     def kv_tokens(self) -> int:
         """The KV cache's capacity in tokens, as vLLM sized it from kv_cache_gib."""

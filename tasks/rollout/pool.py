@@ -100,8 +100,10 @@ class EnginePool:
         for index in range(self.count):
             ours, theirs = context.Pipe()
             process = context.Process(
-                target=_worker, args=(theirs, index, str(self.model_dir), cfg, self.seed + index, self.dtype),
-                name=f"engine-{index}", daemon=True,
+                target=_worker,
+                args=(theirs, index, str(self.model_dir), cfg, self.seed + index, self.dtype),
+                name=f"engine-{index}",
+                daemon=True,
             )
             process.start()
             theirs.close()
@@ -140,8 +142,16 @@ class EnginePool:
 
     # -- generation ------------------------------------------------------------------------------
 
-    def add_request(self, engine: int, request_id: str, prompt_ids: list[int], max_tokens: int,
-                    temperature: float, top_p: float, stop_token_ids: list[int]) -> None:
+    def add_request(
+        self,
+        engine: int,
+        request_id: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop_token_ids: list[int],
+    ) -> None:
         args = (request_id, prompt_ids, max_tokens, temperature, top_p, stop_token_ids)
         if self.local is not None:
             self.local.add_request(*args)

@@ -24,8 +24,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 
 
-def reserve_tokens(mode: str, max_rollout_tokens: int, previous: Sequence[int] = (),
-                   headroom: float = 1.3) -> int:  # fmt: skip
+def reserve_tokens(mode: str, max_rollout_tokens: int, previous: Sequence[int] = (), headroom: float = 1.3) -> int:
     """KV tokens the KV-aware policy sets aside per rollout.
 
     "max_length" (the paper): the rollout's most, prompt + response budget. "observed":

@@ -27,8 +27,15 @@ class RolloutSpec:
 def rollout_spec(rollout: RolloutConfig, budget: RolloutBudget) -> RolloutSpec:
     """The sampling settings of the run's rollouts within one budget (a stage's, the consensus
     filter's or evaluation's)."""
-    return RolloutSpec(budget.max_turns, budget.max_response_tokens, budget.temperature, rollout.top_p,
-                       rollout.tool_name, rollout.tool_response_chars, rollout.tool_spec)
+    return RolloutSpec(
+        budget.max_turns,
+        budget.max_response_tokens,
+        budget.temperature,
+        rollout.top_p,
+        rollout.tool_name,
+        rollout.tool_response_chars,
+        rollout.tool_spec,
+    )
 
 
 @dataclass

@@ -16,8 +16,8 @@ from transformers import AutoTokenizer
 from tasks.config import RunConfig
 from tasks.reward.verify import Verifier
 from tasks.rollout.agent import ToolRunner
-from tasks.rollout.metrics import max_logprob_gap
 from tasks.rollout.engine import weights_from_dir
+from tasks.rollout.metrics import max_logprob_gap
 from tasks.rollout.pool import EnginePool
 from tasks.sandbox.executor import Limits
 from tasks.sandbox.server import SandboxService
@@ -40,11 +40,16 @@ class Runtime:
         box = self.cfg.sandbox
         urls = box.urls
         if not urls:
-            limits = Limits(timeout_s=box.timeout_s, cpu_s=max(1, int(box.timeout_s)), memory_mb=box.memory_mb,
-                            output_bytes=box.output_bytes)
+            limits = Limits(
+                timeout_s=box.timeout_s,
+                cpu_s=max(1, int(box.timeout_s)),
+                memory_mb=box.memory_mb,
+                output_bytes=box.output_bytes,
+            )
             (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-            self.sandbox = SandboxService(workers=box.workers, limits=limits,
-                                          log_path=self.run_dir / "logs" / "sandbox.log").start()
+            self.sandbox = SandboxService(
+                workers=box.workers, limits=limits, log_path=self.run_dir / "logs" / "sandbox.log"
+            ).start()
             urls = [self.sandbox.url]
         self.tools = ToolRunner(urls)
         self.verifier = Verifier()
@@ -52,8 +57,12 @@ class Runtime:
         return self
 
     def __exit__(self, *exc) -> None:
-        for stop in (self.tools and self.tools.close, self.verifier and self.verifier.close,
-                     self.engine and self.engine.stop, self.sandbox and self.sandbox.stop):
+        for stop in (
+            self.tools and self.tools.close,
+            self.verifier and self.verifier.close,
+            self.engine and self.engine.stop,
+            self.sandbox and self.sandbox.stop,
+        ):
             if stop:
                 stop()
         self.trainer = None
@@ -74,8 +83,9 @@ class Runtime:
                 self.tokenizer.save_pretrained(weights)
             self.trainer = None
             gc.collect()
-            self.trainer = Trainer(weights, self.cfg.rl.optim, total_steps, self.cfg.model.dtype, self.cfg.seed,
-                                   self.cfg.trainer_threads)
+            self.trainer = Trainer(
+                weights, self.cfg.rl.optim, total_steps, self.cfg.model.dtype, self.cfg.seed, self.cfg.trainer_threads
+            )
         return self.trainer
 
     def begin_stage(self, name: str) -> set[str]:
@@ -99,8 +109,10 @@ class Runtime:
         if not probe:
             return None
         trainer_view = self.trainer.token_logprobs(probe)
-        return max(max_logprob_gap(engine_view, trainer_view)
-                   for engine_view in self.engine.prompt_logprobs([s.token_ids for s in probe]))
+        return max(
+            max_logprob_gap(engine_view, trainer_view)
+            for engine_view in self.engine.prompt_logprobs([s.token_ids for s in probe])
+        )
 
     def export_policy(self, final: Path) -> Path:
         """The trainer's policy as a Hugging Face directory (tokenizer included), written beside

@@ -58,9 +58,7 @@ def _percentile(sorted_values: list[float], q: float) -> float | None:
 class _Sandbox:
     """Admission control, execution and counters behind the HTTP handlers."""
 
-    def __init__(
-        self, workers: int, max_queue: int, limits: Limits, latency_window: int, template: bool
-    ) -> None:
+    def __init__(self, workers: int, max_queue: int, limits: Limits, latency_window: int, template: bool) -> None:
         self.pool = TemplatePool(limits, workers) if template else None
         self.workers = workers
         self.max_queue = max_queue
@@ -77,9 +75,7 @@ class _Sandbox:
         # Check and increment with no await in between: the event loop makes this atomic.
         if self.pending + n_calls > self.workers + self.max_queue:
             self.rejected += n_calls
-            raise web.HTTPServiceUnavailable(
-                text='{"error": "busy"}', content_type="application/json"
-            )
+            raise web.HTTPServiceUnavailable(text='{"error": "busy"}', content_type="application/json")
         self.pending += n_calls
 
     async def run(self, code: str, stdin: str) -> ToolResult:
@@ -158,8 +154,12 @@ class _Sandbox:
                 "latency_p99_s": _percentile(latencies, 0.99),
                 "workers": self.workers,
                 "max_queue": self.max_queue,
-                "template": None if self.pool is None else {
-                    "alive": self.pool.alive(), "restarts": self.pool.restarts, **self.pool.report,
+                "template": None
+                if self.pool is None
+                else {
+                    "alive": self.pool.alive(),
+                    "restarts": self.pool.restarts,
+                    **self.pool.report,
                     "cells": [cell.pid if cell else None for cell in self.pool.cells],
                 },
             }

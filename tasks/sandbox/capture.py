@@ -95,8 +95,7 @@ class ProcessCapture(_BudgetedOutput, asyncio.SubprocessProtocol):
 class PipeCapture(_BudgetedOutput):
     """Reads one template call's stdout, stderr (under one byte budget) and status pipe."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, out_r: int, err_r: int, status_r: int,
-                 budget: int) -> None:  # fmt: skip
+    def __init__(self, loop: asyncio.AbstractEventLoop, out_r: int, err_r: int, status_r: int, budget: int) -> None:
         super().__init__(budget, (out_r, err_r))
         self.loop = loop
         self.status_r = status_r

@@ -67,8 +67,7 @@ def _read(path: str) -> bytes:
         os.close(fd)
 
 
-def _program(req: dict, fds: list[int], drop_to: int | None,
-             rlimit_pairs: list[tuple[int, tuple[int, int]]]) -> None:  # fmt: skip
+def _program(req: dict, fds: list[int], drop_to: int | None, rlimit_pairs: list[tuple[int, tuple[int, int]]]) -> None:
     """In X: isolate, run, exit. Never returns. Signal dispositions, the environment, sys.argv,
     sys.path and the (empty) standard stream objects come from I, set as a fresh interpreter
     would have them (see run_init)."""
@@ -218,8 +217,7 @@ def run_init(sock: socket.socket, spec: dict, caps: dict) -> None:
         # pids cgroup, where there is one, is the better cap. RLIMIT_AS counts on top of the
         # template's own mappings: numpy and sympy are already mapped.
         program_uid = os.geteuid() if drop_to is None else drop_to
-        rlimit_pairs = rlimits(**spec["limits"], nproc=program_uid != 0 and not spec["cgroup"],
-                               address_base=_vm_size())  # fmt: skip
+        rlimit_pairs = rlimits(**spec["limits"], nproc=program_uid != 0 and not spec["cgroup"], address_base=_vm_size())
         shm = "/dev/shm" if caps["mountns"] and os.path.isdir("/dev/shm") else None
         # What every program starts with, set once here rather than in each X: a page X writes
         # costs it a copy-on-write fault (~5 us on a VM), and that is most of a small call's cost.
@@ -247,15 +245,14 @@ def _program_streams() -> None:
     fork) over its own fds 0-2. Made while fds 1 and 2 are pipes, so that `seekable()`, which
     the wrappers decide when made, says False as it would for X's pipes; I's own tracebacks
     still reach the server's log through fd 2."""
-    sys.stdin = open(0, "r", encoding="utf-8", errors="strict", closefd=False)
+    sys.stdin = open(0, encoding="utf-8", errors="strict", closefd=False)
     r, w = os.pipe()
     saved = [os.dup(1), os.dup(2)]
     try:
         os.dup2(w, 1)
         os.dup2(w, 2)
         sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
-        sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False,
-                          buffering=1)  # fmt: skip
+        sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)
     finally:
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
@@ -282,9 +279,16 @@ def _fork(raw: bool) -> int:
     return pid
 
 
-def _run_call(sock: socket.socket, req: dict, fds: list[int], drop_to: int | None,
-              rlimit_pairs: list[tuple[int, tuple[int, int]]], pidns: bool, shm: str | None,
-              raw_fork: bool) -> bool:  # fmt: skip
+def _run_call(
+    sock: socket.socket,
+    req: dict,
+    fds: list[int],
+    drop_to: int | None,
+    rlimit_pairs: list[tuple[int, tuple[int, int]]],
+    pidns: bool,
+    shm: str | None,
+    raw_fork: bool,
+) -> bool:
     """One call in I; False when the server hung up meanwhile."""
     status_w = fds[2]
     home = req["home"]

@@ -100,9 +100,7 @@ class SandboxClient:
         """The least-loaded replica, preferring ones that have not failed this call yet."""
         n = len(self.urls)
         self._turn = (self._turn + 1) % n
-        return min(
-            range(n), key=lambda i: (i in failed, self._in_flight[i], (i - self._turn) % n)
-        )
+        return min(range(n), key=lambda i: (i in failed, self._in_flight[i], (i - self._turn) % n))
 
     async def _post(self, path: str, payload: dict[str, Any], n_calls: int) -> Any:
         session = self._get_session()

@@ -110,8 +110,9 @@ class TemplatePool:
     calls fall back to `run_python` (a fresh interpreter per call) and the reason is logged once.
     """
 
-    def __init__(self, limits: Limits, workers: int = 4, python: str = sys.executable,
-                 log=None, startup_timeout_s: float = 60.0) -> None:  # fmt: skip
+    def __init__(
+        self, limits: Limits, workers: int = 4, python: str = sys.executable, log=None, startup_timeout_s: float = 60.0
+    ) -> None:
         self.limits = limits
         self.workers = workers
         self.python = python
@@ -148,8 +149,15 @@ class TemplatePool:
         }
         try:
             self.process = subprocess.Popen(
-                [self.python, "-B", "-m", "tasks.sandbox.template", str(theirs.fileno()),
-                 str(self.workers), str(self.limits.processes)],  # fmt: skip
+                [
+                    self.python,
+                    "-B",
+                    "-m",
+                    "tasks.sandbox.template",
+                    str(theirs.fileno()),
+                    str(self.workers),
+                    str(self.limits.processes),
+                ],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=None,  # tracebacks from the template go to the server's log
@@ -188,8 +196,12 @@ class TemplatePool:
         os.makedirs(os.path.join(directory, "work"))
         for path in (directory, os.path.join(directory, "work")):
             os.chmod(path, 0o755)
-        spec = {"dir": directory, "pool": self.pool_dir, "package_root": _PACKAGE_ROOT,
-                "limits": self.limits.rlimit_fields()}  # fmt: skip
+        spec = {
+            "dir": directory,
+            "pool": self.pool_dir,
+            "package_root": _PACKAGE_ROOT,
+            "limits": self.limits.rlimit_fields(),
+        }
         with self._template_lock:
             self.sock.settimeout(self.startup_timeout_s)
             try:
@@ -272,8 +284,7 @@ class TemplatePool:
                 await self.start()
                 return True
             except (OSError, RuntimeError) as exc:
-                self.log(f"sandbox template could not start ({exc}); falling back to one fresh "
-                         "interpreter per call")  # fmt: skip
+                self.log(f"sandbox template could not start ({exc}); falling back to one fresh interpreter per call")
                 return False
 
     # -- one call --------------------------------------------------------------------------------
@@ -385,8 +396,7 @@ class TemplatePool:
         finally:
             call.close_all()
         if call.error is not None:
-            return ToolResult(ToolStatus.INTERNAL, stderr=f"sandbox could not start the call: "
-                                                          f"{call.error}")  # fmt: skip
+            return ToolResult(ToolStatus.INTERNAL, stderr=f"sandbox could not start the call: {call.error}")
         if call.wait_status is None and not stuck:
             return None
         returncode = None
@@ -394,4 +404,3 @@ class TemplatePool:
             returncode = os.waitstatus_to_exitcode(call.wait_status)
         timed_out = stuck or call.ending == protocol.END_TIMEOUT
         return call.result(returncode, timed_out, wall_s)
-

@@ -54,25 +54,19 @@ def _kill_group(pgid: int) -> None:
         pass  # the group is already empty
 
 
-async def run_python(
-    code: str, stdin: str, limits: Limits, python: str = sys.executable
-) -> ToolResult:
+async def run_python(code: str, stdin: str, limits: Limits, python: str = sys.executable) -> ToolResult:
     """Run `code` as a fresh Python program with `stdin` as its standard input."""
     root = tempfile.mkdtemp(prefix="rstar2-sandbox-")
     try:
         home = os.path.join(root, "home")
         os.mkdir(home)
         code_path, stdin_path = write_inputs(root, code, stdin)
-        return await _spawn_and_wait(
-            [python, "-I", "-B", runner.__file__, code_path], stdin_path, home, limits
-        )
+        return await _spawn_and_wait([python, "-I", "-B", runner.__file__, code_path], stdin_path, home, limits)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-async def _spawn_and_wait(
-    argv: list[str], stdin_path: str, home: str, limits: Limits
-) -> ToolResult:
+async def _spawn_and_wait(argv: list[str], stdin_path: str, home: str, limits: Limits) -> ToolResult:
     # Computed here, clamped to what the server holds; the child only applies them.
     pairs = rlimits(**limits.rlimit_fields(), nproc=os.geteuid() != 0)
     loop = asyncio.get_running_loop()

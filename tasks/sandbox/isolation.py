@@ -32,9 +32,7 @@ def _unshare(flags: int) -> bool:
     return libc.unshare(ctypes.c_int(flags)) == 0
 
 
-def _mount(
-    source: bytes | None, target: bytes, fstype: bytes | None, flags: int, data: bytes | None = None
-) -> bool:
+def _mount(source: bytes | None, target: bytes, fstype: bytes | None, flags: int, data: bytes | None = None) -> bool:
     return libc.mount(source, target, fstype, ctypes.c_ulong(flags), data) == 0
 
 
@@ -82,9 +80,7 @@ def probe(workers: int, processes: int) -> dict:
     caps["mountns"] = caps["mountns"] and caps["pidns"]
     if caps["root"]:
         # Every cell's cap, twice over for cells still being torn down, and some slack.
-        caps["pids_cgroup"] = _make_pids_cgroup(
-            f"rstar2-sandbox-{os.getpid()}", 16 + 2 * workers * (3 + processes)
-        )
+        caps["pids_cgroup"] = _make_pids_cgroup(f"rstar2-sandbox-{os.getpid()}", 16 + 2 * workers * (3 + processes))
     return caps
 
 
@@ -204,8 +200,7 @@ def set_up_filesystem(cell_dir: str, pool_dir: str, package_root: str, nobody: b
     if os.path.isdir("/dev/shm"):
         # multiprocessing's locks and queues need a writable /dev/shm: a small private one,
         # emptied after every call.
-        _mount(b"tmpfs", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV,
-               b"size=64m,nr_inodes=4096,mode=1777")  # fmt: skip
+        _mount(b"tmpfs", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV, b"size=64m,nr_inodes=4096,mode=1777")
 
 
 def nobody_can_import(package_root: str) -> tuple[bool, str]:
@@ -257,7 +252,6 @@ def _drop_capabilities() -> None:
     libc.capset(header, data)
 
 
-
 # ------------------------------------------------------------------------------------------------
 # In words, for the server's log
 
@@ -267,21 +261,28 @@ def describe_isolation(r: dict) -> list[str]:
     lines = [
         f"sandbox template pid {r.get('pid')} ready (numpy, sympy pre-loaded)",
         "sandbox isolation: network "
-        + ("none for programs (own empty network namespace per cell)" if r.get("netns") else
-           "NOT ISOLATED: the kernel refused unshare(CLONE_NEWNET); "
-           "programs can reach the network"),  # fmt: skip
+        + (
+            "none for programs (own empty network namespace per cell)"
+            if r.get("netns")
+            else "NOT ISOLATED: the kernel refused unshare(CLONE_NEWNET); programs can reach the network"
+        ),
         "sandbox isolation: pid namespace "
-        + ("on (escaped background processes die with the call)" if r.get("pidns") else
-           "NOT available: escapes are hunted as children of the cell (subreaper)")
-        + ("; private /proc, read-only mounts" if r.get("mountns") else
-           "; host /proc visible, host mounts writable where the uid may write"),  # fmt: skip
+        + (
+            "on (escaped background processes die with the call)"
+            if r.get("pidns")
+            else "NOT available: escapes are hunted as children of the cell (subreaper)"
+        )
+        + (
+            "; private /proc, read-only mounts"
+            if r.get("mountns")
+            else "; host /proc visible, host mounts writable where the uid may write"
+        ),
     ]
     if r.get("root"):
         lines.append(
             f"sandbox isolation: pids cgroup {r.get('pids_cgroup')}"
-            if r.get("pids_cgroup") else
-            "sandbox isolation: no pids cgroup: a fork bomb run as root is bounded only by "
-            "the wall-clock kill"  # fmt: skip
+            if r.get("pids_cgroup")
+            else "sandbox isolation: no pids cgroup: a fork bomb run as root is bounded only by the wall-clock kill"
         )
     return lines
 

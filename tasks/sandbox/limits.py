@@ -14,14 +14,10 @@ class Limits:
     timeout_s: float = field(default=4.0, metadata={"help": "wall-clock limit per call (s)"})
     cpu_s: int = field(default=4, metadata={"help": "CPU-time limit per call (s), RLIMIT_CPU"})
     memory_mb: int = field(default=512, metadata={"help": "address-space limit (MiB), RLIMIT_AS"})
-    output_bytes: int = field(
-        default=4096, metadata={"help": "stdout + stderr kept; more kills the program"}
-    )
+    output_bytes: int = field(default=4096, metadata={"help": "stdout + stderr kept; more kills the program"})
     file_size_mb: int = field(default=8, metadata={"help": "largest file the code may write (MiB)"})
     open_files: int = field(default=64, metadata={"help": "open file descriptors, RLIMIT_NOFILE"})
-    processes: int = field(
-        default=32, metadata={"help": "RLIMIT_NPROC for the uid (skipped when root)"}
-    )
+    processes: int = field(default=32, metadata={"help": "RLIMIT_NPROC for the uid (skipped when root)"})
 
     def rlimit_fields(self) -> dict[str, int]:
         """The limits the program's process applies to itself (the arguments of `rlimits`)."""
@@ -34,8 +30,9 @@ class Limits:
         }
 
 
-def rlimits(cpu_s: int, memory_mb: int, file_size_mb: int, open_files: int, processes: int,
-            nproc: bool, address_base: int = 0) -> list[tuple[int, tuple[int, int]]]:  # fmt: skip
+def rlimits(
+    cpu_s: int, memory_mb: int, file_size_mb: int, open_files: int, processes: int, nproc: bool, address_base: int = 0
+) -> list[tuple[int, tuple[int, int]]]:
     """The (resource, (soft, hard)) pairs to apply, clamped to the hard limits held now: asking
     for more than that fails setrlimit, and with it the whole call.
 

@@ -27,17 +27,14 @@ def compile_program(source: str) -> Program:
     tree = ast.parse(source, PROGRAM_FILENAME)
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = compile(ast.Expression(tree.body.pop().value), PROGRAM_FILENAME, "eval",
-                       dont_inherit=True)  # fmt: skip
+        last = compile(ast.Expression(tree.body.pop().value), PROGRAM_FILENAME, "eval", dont_inherit=True)
     return compile(tree, PROGRAM_FILENAME, "exec", dont_inherit=True), last
 
 
 def _report(exc: BaseException, source: str) -> None:
     # Registered only now: tracebacks quote the offending lines, and a call that succeeds should
     # not pay for it.
-    linecache.cache[PROGRAM_FILENAME] = (
-        len(source), None, source.splitlines(True), PROGRAM_FILENAME
-    )
+    linecache.cache[PROGRAM_FILENAME] = (len(source), None, source.splitlines(True), PROGRAM_FILENAME)
     # Skip the runner's frame: the model should see only frames from its own code.
     tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
     traceback.print_exception(type(exc), exc, tb)

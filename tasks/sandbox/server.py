@@ -54,9 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     serve.add_argument("--port", type=int, default=8123)
     serve.add_argument("--workers", type=int, default=4, help="programs running at once")
-    serve.add_argument(
-        "--max-queue", type=int, default=4096, help="calls that may wait for a worker; more get 503"
-    )
+    serve.add_argument("--max-queue", type=int, default=4096, help="calls that may wait for a worker; more get 503")
     serve.add_argument(
         "--exit-with-parent",
         action="store_true",
@@ -69,9 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     # One flag per Limits field, so SandboxService can forward every limit it was given.
     for f in fields(Limits):
-        serve.add_argument(
-            _limit_flag(f.name), type=type(f.default), default=f.default, help=f.metadata["help"]
-        )
+        serve.add_argument(_limit_flag(f.name), type=type(f.default), default=f.default, help=f.metadata["help"])
     args = parser.parse_args(argv)
 
     limits = Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
@@ -79,16 +75,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.exit_with_parent:
         app.on_startup.append(_watch_parent)
     print(
-        f"sandbox on http://{args.host}:{args.port}: {args.workers} workers, "
-        f"queue {args.max_queue}, {limits}",
+        f"sandbox on http://{args.host}:{args.port}: {args.workers} workers, queue {args.max_queue}, {limits}",
         file=sys.stderr,
         flush=True,
     )
     # A short shutdown grace: on SIGTERM, calls still running are cancelled, which kills their
     # process groups, rather than holding the stop for up to a full queue of work.
-    web.run_app(
-        app, host=args.host, port=args.port, access_log=None, print=None, shutdown_timeout=2.0
-    )
+    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None, shutdown_timeout=2.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -147,10 +140,20 @@ class SandboxService:
             os.close(fd)
             self.log_path, self._remove_log = Path(name), True
         argv = [
-            sys.executable, "-m", "tasks.sandbox.server", "serve",
-            "--host", self.host, "--port", str(self.port),
-            "--workers", str(self.workers), "--max-queue", str(self.max_queue), "--exit-with-parent",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "tasks.sandbox.server",
+            "serve",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--workers",
+            str(self.workers),
+            "--max-queue",
+            str(self.max_queue),
+            "--exit-with-parent",
+        ]
         for f in fields(Limits):
             argv += [_limit_flag(f.name), str(getattr(self.limits, f.name))]
         with open(self.log_path, "ab") as log:

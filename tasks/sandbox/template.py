@@ -38,9 +38,24 @@ from tasks.sandbox.cell import reseed_numpy, run_init
 from tasks.sandbox.isolation import cell_cgroup, enter_cell_namespaces, probe
 
 # Loaded once here, shared copy-on-write by every call.
-PRELOAD = ("math", "itertools", "fractions", "functools", "collections", "decimal", "re",
-           "statistics", "json", "string", "heapq", "bisect", "random", "cmath",
-           "numpy", "sympy")  # fmt: skip
+PRELOAD = (
+    "math",
+    "itertools",
+    "fractions",
+    "functools",
+    "collections",
+    "decimal",
+    "re",
+    "statistics",
+    "json",
+    "string",
+    "heapq",
+    "bisect",
+    "random",
+    "cmath",
+    "numpy",
+    "sympy",
+)
 
 
 def _warm_up() -> None:

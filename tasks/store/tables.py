@@ -3,8 +3,8 @@
 Rows land under the run folder as one hive-style partition per (stage, step) or (checkpoint,
 benchmark), e.g. `<run>/rollouts/stage=<stage>/step=<n>/part-0.parquet` (PARTITIONS), so
 re-running a step replaces its file instead of appending duplicates, and a reader filtering on
-stage or step opens only those folders. Every row also carries its run, stage and step, so a file read on its own is complete;
-DuckDB reads a whole table with `read_parquet_sql(run, "rollouts")`.
+stage or step opens only those folders. Every row also carries its run, stage and step, so a
+file read on its own is complete; DuckDB reads a whole table with `read_parquet_sql(run, "rollouts")`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ PROBLEMS = pa.schema(
 )
 
 # Curation: a row set aside by a filter (or as malformed), and the rows each filter removed.
-REJECTED = pa.schema([("row_id", pa.string()), ("source", pa.string()), ("stage", pa.string()),
-                      ("reason", pa.string())])
+REJECTED = pa.schema(
+    [("row_id", pa.string()), ("source", pa.string()), ("stage", pa.string()), ("reason", pa.string())]
+)
 CURATION = pa.schema([("filter", pa.string()), ("in", pa.int64()), ("removed", pa.int64()), ("kept", pa.int64())])
 
 # One row per trajectory; `kept` and `advantage` are set by GRPO-RoC (eval rows: kept false).
@@ -147,8 +148,7 @@ def read_parquet_sql(runs: str | Path, table: str) -> str:
     keys = PARTITIONS[table]
     glob = f"{runs}/{table}/" + "*/" * len(keys) + "*.parquet"
     types = ", ".join(f"'{k}': {t}" for k, t in keys.items())
-    return (f"read_parquet('{glob}', union_by_name = true, hive_partitioning = true, "
-            f"hive_types = {{{types}}})")
+    return f"read_parquet('{glob}', union_by_name = true, hive_partitioning = true, hive_types = {{{types}}})"
 
 
 def step_part(run_dir: Path, table: str, stage: str, step: int) -> Path:
@@ -157,8 +157,10 @@ def step_part(run_dir: Path, table: str, stage: str, step: int) -> Path:
 
 def evaluation_rows(run_dir: Path) -> list[dict]:
     """Every row of a run's evaluations table, in the order the evaluations were written."""
-    parts = sorted((run_dir / "evaluations").glob("*/" * len(PARTITIONS["evaluations"]) + "part-0.parquet"),
-                   key=lambda p: p.stat().st_mtime_ns)
+    parts = sorted(
+        (run_dir / "evaluations").glob("*/" * len(PARTITIONS["evaluations"]) + "part-0.parquet"),
+        key=lambda p: p.stat().st_mtime_ns,
+    )
     return [row for part in parts for row in read_table(part)]
 
 
@@ -171,24 +173,35 @@ def stage_steps(run_dir: Path, stage: str) -> dict[int, dict[str, float]]:
     return dict(sorted(steps.items()))
 
 
-def rollout_rows(run_id: str, stage: str, step: int, rollouts, kept: list[bool] | None = None,
-                 advantages: list[float] | None = None) -> list[dict]:
+def rollout_rows(
+    run_id: str, stage: str, step: int, rollouts, kept: list[bool] | None = None, advantages: list[float] | None = None
+) -> list[dict]:
     """ROLLOUTS rows for scored rollouts (tasks.rollout.trajectory.Rollouts), in order."""
     questions = {p.problem_id: p.question for p in rollouts.problems}
     labels = {p.problem_id: p.answer for p in rollouts.problems}
     rows = []
     for i, traj in enumerate(rollouts.trajectories):
-        rows.append({
-            "run_id": run_id, "stage": stage, "step": step,
-            "problem_id": traj.problem_id, "sample": traj.sample,
-            "question": questions[traj.problem_id], "label": labels[traj.problem_id],
-            "response": traj.response, "predicted": rollouts.predicted[i], "reward": rollouts.rewards[i],
-            "kept": bool(kept[i]) if kept else False,
-            "advantage": advantages[i] if advantages else 0.0,
-            "prompt_tokens": len(traj.prompt_ids), "response_tokens": len(traj.response_ids),
-            "turns": traj.turns, "tool_calls": len(traj.tool_calls),
-            "tool_failures": sum(c.status.is_failure for c in traj.tool_calls),
-            "tool_statuses": [c.status.value for c in traj.tool_calls],
-            "stop_reason": traj.stop_reason,
-        })
+        rows.append(
+            {
+                "run_id": run_id,
+                "stage": stage,
+                "step": step,
+                "problem_id": traj.problem_id,
+                "sample": traj.sample,
+                "question": questions[traj.problem_id],
+                "label": labels[traj.problem_id],
+                "response": traj.response,
+                "predicted": rollouts.predicted[i],
+                "reward": rollouts.rewards[i],
+                "kept": bool(kept[i]) if kept else False,
+                "advantage": advantages[i] if advantages else 0.0,
+                "prompt_tokens": len(traj.prompt_ids),
+                "response_tokens": len(traj.response_ids),
+                "turns": traj.turns,
+                "tool_calls": len(traj.tool_calls),
+                "tool_failures": sum(c.status.is_failure for c in traj.tool_calls),
+                "tool_statuses": [c.status.value for c in traj.tool_calls],
+                "stop_reason": traj.stop_reason,
+            }
+        )
     return rows

@@ -24,9 +24,12 @@ from tasks.store.tables import evaluation_rows, read_table, stage_steps, step_pa
 # own habit, which the paper's Fig. 4 follows; the kept share adds RoC's selection on top.
 DRAWN_SHARE = "drawn_pos_tool_error_share"
 # What the report plots per RL step: (metric of the steps table or DRAWN_SHARE, axis title).
-STEP_METRICS = {"reward_mean": "reward (mean)", "roc/kept_pos_tool_error_share": "tool-error share, kept positives",
-                DRAWN_SHARE: "tool-error share, all positives drawn",
-                "response_length_mean": "response length (tokens)"}
+STEP_METRICS = {
+    "reward_mean": "reward (mean)",
+    "roc/kept_pos_tool_error_share": "tool-error share, kept positives",
+    DRAWN_SHARE: "tool-error share, all positives drawn",
+    "response_length_mean": "response length (tokens)",
+}
 PRE_RL = ("curate", "base", "sft", "eval-base", "eval-sft")  # what a later mode's run copies
 
 
@@ -74,25 +77,48 @@ def compare(results: list[RunResult], baseline: str = "off", treatment: str = "p
         sft = [r.pass_at_1.get("sft", math.nan) for r in runs]
         share = [_stats(r.steps.get("roc/kept_pos_tool_error_share", []))[0] for r in runs]
         drawn = [_stats(r.steps.get(DRAWN_SHARE, []))[0] for r in runs]
-        modes[mode] = {"seeds": [r.seed for r in runs], "sft": _stats(sft), "final": _stats(final),
-                       "gain": _stats([f - s for f, s in zip(final, sft)]), "error_share": _stats(share),
-                       "error_share_by_seed": share, "drawn_error_share": _stats(drawn)}
+        modes[mode] = {
+            "seeds": [r.seed for r in runs],
+            "sft": _stats(sft),
+            "final": _stats(final),
+            "gain": _stats([f - s for f, s in zip(final, sft)]),
+            "error_share": _stats(share),
+            "error_share_by_seed": share,
+            "drawn_error_share": _stats(drawn),
+        }
     out = {"modes": modes}
     if baseline in modes and treatment in modes:
         base, treat = modes[baseline], modes[treatment]
         out["relative_reduction"] = _reduction(base["error_share"][0], treat["error_share"][0])
         by_seed = dict(zip(base["seeds"], base["error_share_by_seed"]))
-        out["relative_reduction_by_seed"] = {seed: _reduction(by_seed[seed], share) for seed, share
-                                             in zip(treat["seeds"], treat["error_share_by_seed"]) if seed in by_seed}
+        out["relative_reduction_by_seed"] = {
+            seed: _reduction(by_seed[seed], share)
+            for seed, share in zip(treat["seeds"], treat["error_share_by_seed"])
+            if seed in by_seed
+        }
     return out
 
 
-def ablation_command(config: str, seeds: int, modes: list[str], overrides: dict, name: str,
-                     sft_from: str | None = None) -> str:
+def ablation_command(
+    config: str, seeds: int, modes: list[str], overrides: dict, name: str, sft_from: str | None = None
+) -> str:
     """The `rstar2 ablate` command line that reproduces an ablation, for its report."""
-    return shlex.join(["rstar2", "ablate", "--config", config, "--seeds", str(seeds), "--modes", *modes,
-                       "--name", name, *(["--sft-from", sft_from] if sft_from else []),
-                       *(f"--set={k}={json.dumps(v)}" for k, v in overrides.items())])
+    return shlex.join(
+        [
+            "rstar2",
+            "ablate",
+            "--config",
+            config,
+            "--seeds",
+            str(seeds),
+            "--modes",
+            *modes,
+            "--name",
+            name,
+            *(["--sft-from", sft_from] if sft_from else []),
+            *(f"--set={k}={json.dumps(v)}" for k, v in overrides.items()),
+        ]
+    )
 
 
 def start_from_sft_of(source: Path, target: Path, cfg: RunConfig) -> None:
@@ -104,8 +130,10 @@ def start_from_sft_of(source: Path, target: Path, cfg: RunConfig) -> None:
         return
     theirs, mine = json.loads((source / "config.json").read_text()), json.loads(cfg.model_dump_json())
     if differ := sorted(k for k in theirs.keys() | mine.keys() if k != "rl" and theirs.get(k) != mine.get(k)):
-        raise ValueError(f"run {source.name} cannot seed run {target.name}: their configs differ in {differ}, "
-                         "and only rl may (the runs share everything before RL)")
+        raise ValueError(
+            f"run {source.name} cannot seed run {target.name}: their configs differ in {differ}, "
+            "and only rl may (the runs share everything before RL)"
+        )
     staging = target.with_name(f".{target.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     for folder in ("data", "models/base", "models/sft"):
@@ -130,14 +158,17 @@ def sft_run_of(runs_dir: Path, ablation: str, seed: int) -> Path:
     for run_dir in sorted(runs_dir.glob(f"{ablation}-s{seed}-*")):
         if (run_dir / "state" / "sft.json").exists():
             return run_dir
-    raise ValueError(f"no run {ablation}-s{seed}-<mode> under {runs_dir} has finished SFT: run "
-                     f"`rstar2 ablate --name {ablation}` with {seed + 1} seed(s) first")
+    raise ValueError(
+        f"no run {ablation}-s{seed}-<mode> under {runs_dir} has finished SFT: run "
+        f"`rstar2 ablate --name {ablation}` with {seed + 1} seed(s) first"
+    )
 
 
 def read_run(run_dir: Path, seed: int, mode: str, stage_names: list[str]) -> RunResult:
     """A finished run's held-out pass@1 per checkpoint and its RL step metrics, stage by stage."""
-    pass_at_1 = {row["checkpoint"]: row["pass_at_1"]
-                 for row in evaluation_rows(run_dir) if row["benchmark"] == "heldout"}
+    pass_at_1 = {
+        row["checkpoint"]: row["pass_at_1"] for row in evaluation_rows(run_dir) if row["benchmark"] == "heldout"
+    }
     result = RunResult(seed, mode, run_dir.name, pass_at_1, {m: [] for m in STEP_METRICS})
     for stage in stage_names:
         for step, values in stage_steps(run_dir, stage).items():
@@ -172,17 +203,21 @@ def _plot(results: list[RunResult], path: Path) -> Path:
             runs = [r for r in results if r.mode == mode]
             if metric == "pass_at_1":  # one point per checkpoint: SFT at step 0, each stage at its end
                 xs = [0, *runs[0].stage_ends]
-                series = [list(r.pass_at_1.values())[-len(xs):] for r in runs]
+                series = [list(r.pass_at_1.values())[-len(xs) :] for r in runs]
             else:
                 xs = list(range(1, len(runs[0].steps[metric]) + 1))
                 series = [r.steps[metric] for r in runs]
             columns = [_stats([s[i] for s in series if i < len(s)]) for i in range(len(xs))]
             means = [c[0] for c in columns]
-            lows = [min((s[i] for s in series if i < len(s) and not math.isnan(s[i])), default=math.nan)
-                    for i in range(len(xs))]
-            highs = [max((s[i] for s in series if i < len(s) and not math.isnan(s[i])), default=math.nan)
-                     for i in range(len(xs))]
-            line, = ax.plot(xs, means, marker="o", markersize=3, label=f"roc: {mode}")
+            lows = [
+                min((s[i] for s in series if i < len(s) and not math.isnan(s[i])), default=math.nan)
+                for i in range(len(xs))
+            ]
+            highs = [
+                max((s[i] for s in series if i < len(s) and not math.isnan(s[i])), default=math.nan)
+                for i in range(len(xs))
+            ]
+            (line,) = ax.plot(xs, means, marker="o", markersize=3, label=f"roc: {mode}")
             ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("RL step")
@@ -203,11 +238,14 @@ def write_report(results: list[RunResult], out_dir: Path, command: str) -> Path:
     plot = _plot(results, out_dir / "curves.png")
     seeds = sorted({r.seed for r in results})
     lines = [
-        "# RoC ablation", "",
-        f"Command: `{command}`", "",
+        "# RoC ablation",
+        "",
+        f"Command: `{command}`",
+        "",
         f"Seeds {seeds}; mean ± std over seeds. Held-out pass@1 is avg@k at the config's eval settings; the "
         "tool-error share is the fraction of positive trajectories with at least one failed tool call, among "
-        "those RoC kept for training and among all the policy drew, averaged over the RL steps that had one.", "",
+        "those RoC kept for training and among all the policy drew, averaged over the RL steps that had one.",
+        "",
         "| roc mode | pass@1 after SFT | pass@1 after RL | gain (points) | tool-error share of kept positives (%) "
         "| of all positives drawn (%) |",
         "|---|---|---|---|---|---|",
@@ -215,19 +253,31 @@ def write_report(results: list[RunResult], out_dir: Path, command: str) -> Path:
     for mode, m in numbers["modes"].items():
         gain = m["gain"]
         gain_cell = f"{100 * gain[0]:+.1f} ± {100 * gain[1]:.1f}" if gain[2] else "n/a"
-        lines.append(f"| {mode} | {_cell(m['sft'])} | {_cell(m['final'])} | {gain_cell} | "
-                     f"{_cell(m['error_share'], percent=True)} | {_cell(m['drawn_error_share'], percent=True)} |")
+        lines.append(
+            f"| {mode} | {_cell(m['sft'])} | {_cell(m['final'])} | {gain_cell} | "
+            f"{_cell(m['error_share'], percent=True)} | {_cell(m['drawn_error_share'], percent=True)} |"
+        )
     if "relative_reduction" in numbers:
         reduction = numbers["relative_reduction"]
         by_seed = numbers["relative_reduction_by_seed"].values()
         per_seed = " / ".join("n/a" if math.isnan(r) else f"{100 * r:.0f}%" for r in by_seed)
-        lines += ["", "Tool-error share among kept positives, roc paper vs off: " + (
-            f"{100 * reduction:.0f}% lower (relative); per seed {per_seed}, mean {_cell(_stats(list(by_seed)), True)}%."
-            if not math.isnan(reduction)
-            else "not measurable (a mode kept no positive trajectory, or off kept no erring one).")]
+        lines += [
+            "",
+            "Tool-error share among kept positives, roc paper vs off: "
+            + (
+                f"{100 * reduction:.0f}% lower (relative); per seed {per_seed}, "
+                f"mean {_cell(_stats(list(by_seed)), True)}%."
+                if not math.isnan(reduction)
+                else "not measurable (a mode kept no positive trajectory, or off kept no erring one)."
+            ),
+        ]
     lines += ["", "| run | held-out pass@1 by checkpoint | wall (s) |", "|---|---|---|"]
-    lines += [f"| `{r.run_id}` | " + " -> ".join(f"{c} {v:.3f}" for c, v in r.pass_at_1.items())
-              + (" | n/a |" if math.isnan(r.wall_s) else f" | {r.wall_s:.0f} |") for r in results]
+    lines += [
+        f"| `{r.run_id}` | "
+        + " -> ".join(f"{c} {v:.3f}" for c, v in r.pass_at_1.items())
+        + (" | n/a |" if math.isnan(r.wall_s) else f" | {r.wall_s:.0f} |")
+        for r in results
+    ]
     lines += ["", f"![curves]({plot.name})", ""]
     report = write_text("\n".join(lines), out_dir / "report.md")
     print("\n".join(lines))

@@ -22,10 +22,19 @@ def evaluation(run_id: str, label: str, benchmark: str, rollouts: Rollouts, k: i
     sample of up to 8 problems) of checkpoint `label` on one benchmark; pass@1 is avg@k."""
     metrics = rollout_metrics(rollouts.trajectories, rollouts.rewards)
     metrics["pass_at_1"] = metrics["reward_mean"]  # mean over problems and their k samples
-    row = {"run_id": run_id, "checkpoint": label, "benchmark": benchmark, "problems": len(rollouts.problems),
-           "k": k, **{c: metrics[c] for c in EVALUATIONS.names if c in metrics}}
-    samples = [{"problem_id": t.problem_id, "reward": r, "stop_reason": t.stop_reason, "response": t.response}
-               for t, r in zip(rollouts.trajectories, rollouts.rewards) if t.sample == 0][:8]
+    row = {
+        "run_id": run_id,
+        "checkpoint": label,
+        "benchmark": benchmark,
+        "problems": len(rollouts.problems),
+        "k": k,
+        **{c: metrics[c] for c in EVALUATIONS.names if c in metrics},
+    }
+    samples = [
+        {"problem_id": t.problem_id, "reward": r, "stop_reason": t.stop_reason, "response": t.response}
+        for t, r in zip(rollouts.trajectories, rollouts.rewards)
+        if t.sample == 0
+    ][:8]
     return metrics, row, samples
 
 
@@ -54,7 +63,8 @@ class Stopwatch:
 def stage_row(stage: str, steps: int | None, before: dict | None, after: dict | None, clock: Stopwatch) -> dict:
     wall_s = clock.lap(stage)
     return {
-        "stage": stage, "steps": steps,
+        "stage": stage,
+        "steps": steps,
         "pass@1 before": before["pass_at_1"] if before else None,
         "pass@1 after": after["pass_at_1"] if after else None,
         "tool-call rate": after["tool_call_rate"] if after else None,
@@ -69,8 +79,10 @@ def evaluation_markdown(run_dir: Path) -> str:
     checkpoints = list(dict.fromkeys(r["checkpoint"] for r in rows))
     benchmarks = list(dict.fromkeys(r["benchmark"] for r in rows))
     value = {(r["checkpoint"], r["benchmark"]): r["pass_at_1"] for r in rows}
-    lines = ["| checkpoint | " + " | ".join(f"{b} pass@1" for b in benchmarks) + " |",
-             "|---|" + "---|" * len(benchmarks)]
+    lines = [
+        "| checkpoint | " + " | ".join(f"{b} pass@1" for b in benchmarks) + " |",
+        "|---|" + "---|" * len(benchmarks),
+    ]
     for checkpoint in checkpoints:
         cells = [f"{value[(checkpoint, b)]:.3f}" if (checkpoint, b) in value else "" for b in benchmarks]
         lines.append(f"| {checkpoint} | " + " | ".join(cells) + " |")
@@ -94,5 +106,7 @@ def report_card(run_id: str, run_dir: Path, rows: list[dict], wall_s: float) -> 
     stages += "".join("| " + " | ".join(_cell(r.get(c)) for c in SUMMARY_COLUMNS) + " |\n" for r in shown)
     evaluations = evaluation_markdown(run_dir)
     print(evaluations)
-    return (f"# Run {run_id}\n\nwall time {wall_s:.0f} s, outputs in `{run_dir}`\n\n{stages}"
-            f"\n## Evaluations (avg@k pass@1)\n\n{evaluations}")
+    return (
+        f"# Run {run_id}\n\nwall time {wall_s:.0f} s, outputs in `{run_dir}`\n\n{stages}"
+        f"\n## Evaluations (avg@k pass@1)\n\n{evaluations}"
+    )

@@ -40,8 +40,9 @@ class Tracker:
         found = self.client.get_experiment_by_name(experiment)
         # Artifacts beside the database, so that all a run writes stays under the output folder.
         artifacts = (Path(output_dir).resolve() / "mlartifacts").as_uri()
-        self.experiment_id = found.experiment_id if found else self.client.create_experiment(
-            experiment, artifact_location=artifacts)
+        self.experiment_id = (
+            found.experiment_id if found else self.client.create_experiment(experiment, artifact_location=artifacts)
+        )
 
     def start_run(self, name: str, params: dict, parent_run_id: str | None = None, tags: dict | None = None) -> str:
         all_tags = dict(tags or {})
@@ -97,8 +98,16 @@ class Tracker:
 
 def _git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).parent,
+                timeout=5,
+            ).stdout.strip()
+            or "unknown"
+        )
     except OSError:
         return "unknown"
 
@@ -106,8 +115,12 @@ def _git_commit() -> str:
 def run_tags(cfg: RunConfig, run_id: str) -> dict:
     # Every MLflow run of a pipeline run carries these; they filter and group runs in the UI
     # (e.g. tags.`rstar2.roc_mode` = 'off').
-    return {"rstar2.run_id": run_id, "rstar2.config": cfg.name, "rstar2.roc_mode": cfg.rl.roc.mode,
-            "rstar2.scheduler": cfg.engine.scheduler}
+    return {
+        "rstar2.run_id": run_id,
+        "rstar2.config": cfg.name,
+        "rstar2.roc_mode": cfg.rl.roc.mode,
+        "rstar2.scheduler": cfg.engine.scheduler,
+    }
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -131,8 +144,10 @@ def start_pipeline_run(cfg: RunConfig, config_path: str, run_id: str | None) -> 
     tags = run_tags(cfg, run_id)
     if (run_dir / "config.json").exists():
         if (run_dir / "config.json").read_text() != config_json:
-            raise ValueError(f"run {run_id} exists in {run_dir} with another config: resume it with the same config "
-                             "and overrides, or choose a new run id")
+            raise ValueError(
+                f"run {run_id} exists in {run_dir} with another config: resume it with the same config "
+                "and overrides, or choose a new run id"
+            )
         mlflow_run_id = tracker.find_run({"rstar2.run_id": run_id})
         if mlflow_run_id is not None:
             tracker.reopen(mlflow_run_id)
@@ -157,8 +172,9 @@ def reopen_run(output_dir: str, run_id: str, eval_overrides: dict | None) -> tup
         raise ValueError(f"no run {run_id!r} under {Path(output_dir) / 'runs'} (runs there: {runs})")
     recorded = RunConfig.model_validate_json((run_dir / "config.json").read_text())
     try:
-        cfg = recorded.model_copy(update={"eval": recorded.eval.model_validate(
-            {**recorded.eval.model_dump(), **(eval_overrides or {})})})
+        cfg = recorded.model_copy(
+            update={"eval": recorded.eval.model_validate({**recorded.eval.model_dump(), **(eval_overrides or {})})}
+        )
     except ValidationError as exc:
         raise ValueError(f"invalid eval_overrides {eval_overrides}:\n{exc}") from exc
     tracker = Tracker(cfg.output_dir)
@@ -176,5 +192,9 @@ def start_stage_run(ctx: RunContext, stage: str, params: dict) -> str:
     if existing is not None:
         tracker.reopen(existing)
         return existing
-    return tracker.start_run(stage, params, parent_run_id=ctx.mlflow_run_id,
-                             tags={"rstar2.run_id": ctx.run_id, **ctx.tags, "rstar2.stage": stage})
+    return tracker.start_run(
+        stage,
+        params,
+        parent_run_id=ctx.mlflow_run_id,
+        tags={"rstar2.run_id": ctx.run_id, **ctx.tags, "rstar2.stage": stage},
+    )

@@ -11,9 +11,9 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from tasks.config import OptimConfig, RunConfig
+from tasks.data.chat_examples import Segments, sft_examples, tokenize_segments
 from tasks.data.pretrain import pretraining_phases
 from tasks.data.problems import Problem
-from tasks.data.chat_examples import Segments, sft_examples, tokenize_segments
 from tasks.train.sample import Sample
 from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer
@@ -32,8 +32,16 @@ def epoch_batches(samples: list[Sample], batch_size: int, steps: int, seed: int)
         yield samples[start : start + batch_size]
 
 
-def train_steps(trainer: Trainer, samples: list[Sample], batch_size: int, steps: int, seed: int, desc: str,
-                log: Log, first_step: int = 0) -> None:
+def train_steps(
+    trainer: Trainer,
+    samples: list[Sample],
+    batch_size: int,
+    steps: int,
+    seed: int,
+    desc: str,
+    log: Log,
+    first_step: int = 0,
+) -> None:
     """`steps` optimizer steps over shuffled epochs of the samples, with a progress bar; metrics
     are logged as `<desc>/<name>` from `first_step` on (a later phase continues the curve)."""
     with tqdm(total=steps, desc=desc, disable=None) as progress:
@@ -60,8 +68,13 @@ def build_base_model(cfg: RunConfig, train: list[Problem], model_dir: Path, log:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         # Constant after warm-up: a decaying rate slowed the problem phase that follows the drills.
         # Micro-batches of 8 sequences: 9% faster than 16 on two cores, the same gradient (LOG.md).
-        optim = OptimConfig(lr=tiny.pretrain_lr, schedule="constant", warmup_steps=tiny.pretrain_steps // 40,
-                            zero_stage=1, micro_batch_size=8)
+        optim = OptimConfig(
+            lr=tiny.pretrain_lr,
+            schedule="constant",
+            warmup_steps=tiny.pretrain_steps // 40,
+            zero_stage=1,
+            micro_batch_size=8,
+        )
         trainer = Trainer(model_dir, optim, tiny.pretrain_steps, cfg.model.dtype, cfg.seed, cfg.trainer_threads)
         first = 0
         for samples, steps in pretraining_phases(tokenizer, tiny, cfg.data.levels, cfg.seed):

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from tasks.config import LossConfig, OptimConfig
-from tasks.train.sample import Sample
 from tasks.rl.loss import ppo_clip_loss, sft_loss, token_logprobs
+from tasks.train.sample import Sample
 
 
 def _free_port() -> int:
@@ -40,15 +40,24 @@ def init_distributed() -> None:
         # sets its own port), so it takes a port of its own instead of its parent's, which the
         # parent may still listen on.
         port = str(_free_port())
-        os.environ.update({"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                           "MASTER_PORT": port, "RSTAR2_OWN_GROUP_PORT": port})
+        os.environ.update(
+            {
+                "MASTER_ADDR": "127.0.0.1",
+                "RANK": "0",
+                "LOCAL_RANK": "0",
+                "WORLD_SIZE": "1",
+                "MASTER_PORT": port,
+                "RSTAR2_OWN_GROUP_PORT": port,
+            }
+        )
     import deepspeed
     from deepspeed.utils import groups
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     world = groups._WORLD_GROUP
     if not torch.distributed.is_initialized() or (
-            world is not None and world not in torch.distributed.distributed_c10d._world.pg_map):
+        world is not None and world not in torch.distributed.distributed_c10d._world.pg_map
+    ):
         # A vLLM engine shut down in this process destroys every process group, which DeepSpeed
         # still holds as its world and data-parallel groups (and the next engine of the same
         # process, e.g. the next run of an ablation, creates new ones): drop those references.
@@ -63,8 +72,12 @@ def deepspeed_config(optim: OptimConfig, bf16: bool) -> dict:
         "optimizer": {
             "type": "AdamW",
             # torch's AdamW: no JIT-compiled optimizer op needed on CPU.
-            "params": {"lr": optim.lr, "betas": list(optim.betas), "weight_decay": optim.weight_decay,
-                       "torch_adam": True},
+            "params": {
+                "lr": optim.lr,
+                "betas": list(optim.betas),
+                "weight_decay": optim.weight_decay,
+                "torch_adam": True,
+            },
         },
         "gradient_clipping": optim.grad_clip,
         "zero_optimization": {"stage": optim.zero_stage},
@@ -95,8 +108,15 @@ def by_length(samples: list[Sample]) -> list[Sample]:
 
 
 class Trainer:
-    def __init__(self, model_dir: Path, optim: OptimConfig, total_steps: int, dtype: str = "float32", seed: int = 0,
-                 threads: int = 1):
+    def __init__(
+        self,
+        model_dir: Path,
+        optim: OptimConfig,
+        total_steps: int,
+        dtype: str = "float32",
+        seed: int = 0,
+        threads: int = 1,
+    ):
         import deepspeed
         from transformers import AutoModelForCausalLM
 
@@ -109,7 +129,8 @@ class Trainer:
             model_parameters=model.parameters(),
             config=deepspeed_config(optim, bf16=dtype == "bfloat16"),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
-                opt, lambda step: lr_multiplier(step, optim, total_steps)),
+                opt, lambda step: lr_multiplier(step, optim, total_steps)
+            ),
         )
         self.device = self.engine.device
         self.threads = threads
@@ -212,9 +233,17 @@ class Trainer:
             # The optimizer steps once, after the last micro-batch: until then the weights are the
             # old policy's, so its log-probs are these very values, detached (a second forward
             # pass recomputing them cost a third of the update).
-            loss, clip = ppo_clip_loss(logp, logp.detach(), advantages, target_mask, loss_cfg.eps_low,
-                                       loss_cfg.eps_high, loss_cfg.dual_clip, num_tokens=num_tokens,
-                                       negative_weight=loss_cfg.negative_weight)
+            loss, clip = ppo_clip_loss(
+                logp,
+                logp.detach(),
+                advantages,
+                target_mask,
+                loss_cfg.eps_low,
+                loss_cfg.eps_high,
+                loss_cfg.dual_clip,
+                num_tokens=num_tokens,
+                negative_weight=loss_cfg.negative_weight,
+            )
             self.engine.backward(loss * self._loss_scale(), scale_wrt_gas=False)
             self.engine.step()
             metrics["loss"] += loss.item()
@@ -262,8 +291,12 @@ class Trainer:
         """Restore a checkpoint (the latest when tag is None); returns its client state.
         `weights_only`: keep this trainer's fresh optimizer and schedule (a stage that resets them)."""
         path, client_state = self.engine.load_checkpoint(
-            str(directory), tag=tag, load_optimizer_states=not weights_only,
-            load_lr_scheduler_states=not weights_only, load_module_only=weights_only)
+            str(directory),
+            tag=tag,
+            load_optimizer_states=not weights_only,
+            load_lr_scheduler_states=not weights_only,
+            load_module_only=weights_only,
+        )
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag or 'latest'} under {directory}")
         return client_state or {}
