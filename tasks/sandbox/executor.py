@@ -3,31 +3,28 @@
 Two paths with one contract (a `ToolResult` with a structured status):
 
 - `TemplatePool.run` (here; what the server uses): each call is forked from a warm "cell", a copy
-  of a template process that has numpy and sympy imported and warmed up (template.py, cell.py);
-  one cell per worker slot, so one fork per call. Each cell has its own network namespace (no
-  network at all), pid namespace (everything a call started, setsid() escapes included, is killed
-  when the call ends), mount namespace (private /proc showing only the cell's processes; every
-  mount read-only except the cell's work dir and a private /dev/shm; the other cells' files and,
-  for uid nobody, everything but the interpreter's import directories hidden) and a pids cgroup
-  capped at `Limits.processes` + 3 (isolation.py). Per call: uid nobody when running as root
-  (root without capabilities when nobody cannot read the interpreter), rlimits, a scrubbed
-  environment, no inherited descriptors, and a private working dir removed afterwards. What the
-  kernel refuses is logged once at start-up. A dead cell is replaced and a dead template
-  restarted; if the template cannot be started, calls fall back to `run_python`.
+  of a template process with numpy and sympy imported and warmed up (template.py, cell.py), one
+  cell per worker slot. Each cell has its own network namespace (no network), pid namespace
+  (everything a call started, setsid() escapes included, dies with the call), mount namespace
+  (private /proc; all read-only but the cell's work dir and /dev/shm; other cells' files and, for
+  uid nobody, all but the interpreter's import directories hidden) and a pids cgroup capped at
+  `Limits.processes` + 3 (isolation.py). Per call: uid nobody when running as root, rlimits, a
+  scrubbed environment, no inherited descriptors, a private working dir removed afterwards. What
+  the kernel refuses is logged at start-up. A dead cell is replaced, a dead template restarted;
+  without a template, calls fall back to `run_python`.
 - `run_python` (fresh.py): a fresh interpreter per call, with rlimits and a scrubbed environment
   but none of the namespaces.
 
-Common to both: the runner (runner.py) executes the code and echoes the value of a final bare
-expression as IPython does; the rlimits come from `Limits` (limits.py); stdout + stderr share a
-byte budget past which the program is killed and the output marked truncated (capture.py); a
-wall-clock timeout kills the program and everything it started.
+Common to both: the runner (runner.py) executes the code and echoes a final bare expression as
+IPython does; rlimits come from `Limits` (limits.py); stdout + stderr share a byte budget past
+which the program is killed and its output marked truncated (capture.py); a wall-clock timeout
+kills the program and everything it started.
 
 Still not covered (use a VM for hostile users): programs share the kernel; uid nobody can read
-what the world may read; when uid nobody cannot read the interpreter even after the masking,
-programs run as uid 0 without capabilities and can read files that root owns and may read
-(e.g. /etc/shadow), though they cannot write anywhere but their working dir; disk use is bounded
-per file (RLIMIT_FSIZE), not in total. In the template path RLIMIT_AS counts on top of the
-template's own mappings (numpy and sympy are already mapped; the program gets `memory_mb` more).
+what the world may read; when nobody cannot read the interpreter, programs run as uid 0 without
+capabilities and can read what root may (e.g. /etc/shadow), though they write only to their
+working dir; disk use is bounded per file (RLIMIT_FSIZE), not in total. In the template path
+RLIMIT_AS counts on top of the template's own mappings (the program gets `memory_mb` more).
 """
 
 import asyncio
@@ -147,17 +144,10 @@ class TemplatePool:
             "PYTHONMALLOC": "malloc",
             "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
         }
+        args = [str(theirs.fileno()), str(self.workers), str(self.limits.processes)]
         try:
             self.process = subprocess.Popen(
-                [
-                    self.python,
-                    "-B",
-                    "-m",
-                    "tasks.sandbox.template",
-                    str(theirs.fileno()),
-                    str(self.workers),
-                    str(self.limits.processes),
-                ],
+                [self.python, "-B", "-m", "tasks.sandbox.template", *args],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=None,  # tracebacks from the template go to the server's log
