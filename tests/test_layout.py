@@ -111,3 +111,8 @@ def test_tests_call_library_functions_not_prefect_task_internals():
         p.name for p in (ROOT / "tests").glob("*.py") if ".fn(" in p.read_text() and p.name != Path(__file__).name
     ]
     assert offenders == []
+
+
+def test_no_module_of_the_library_runs_past_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in TASKS.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}
