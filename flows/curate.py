@@ -24,9 +24,8 @@ def curate(data: DataConfig, ctx: RunContext) -> dict:
 @flow(name="consensus-filter", log_prints=True, validate_parameters=False)
 def consensus(cfg: RunConfig, ctx: RunContext, runtime: Runtime, problems: list[Problem]) -> list[Problem]:
     c = cfg.data.consensus
-    kept = run_once(
-        ctx,
-        "consensus",
-        lambda _: keep_consensus(ctx, score(runtime, roll_out(runtime, problems, c.n, c, desc="consensus")), c.m),
-    )
-    return select_problems(problems, kept)
+
+    def attempt(_) -> list[str]:
+        return keep_consensus(ctx, score(runtime, roll_out(runtime, problems, c.n, c, desc="consensus")), c.m)
+
+    return select_problems(problems, run_once(ctx, "consensus", attempt))

@@ -45,6 +45,19 @@ def rl_step(
     return record_step(ctx, stage_run, stage, step, rollouts, batch, update)
 
 
+def hard_problems(
+    ctx: RunContext, runtime: Runtime, stage: StageConfig, problems: list[Problem], stage_run: str
+) -> list[Problem]:
+    """The difficulty filter of a hard_only stage: the problems the policy does not yet solve in
+    all of its attempts."""
+
+    def attempt(_) -> list[str]:
+        attempts = score(runtime, roll_out(runtime, problems, stage.difficulty_attempts, stage, desc="difficulty"))
+        return keep_unsolved(ctx, stage_run, attempts, stage.difficulty_attempts)
+
+    return select_problems(problems, run_once(ctx, f"difficulty-{stage.name}", attempt))
+
+
 @flow(name="rl-stage", log_prints=True, validate_parameters=False)
 def rl_stage(
     cfg: RunConfig, ctx: RunContext, runtime: Runtime, stage: StageConfig, problems: list[Problem], total_steps: int
@@ -52,19 +65,7 @@ def rl_stage(
     def train(stage_run: str) -> int:
         prepare_trainer(runtime, total_steps, stage.reset_optimizer)
         first = resume_stage(runtime, ctx, cfg, stage, stage_run)
-        stage_problems = problems
-        if stage.hard_only:
-            hard = run_once(
-                ctx,
-                f"difficulty-{stage.name}",
-                lambda _: keep_unsolved(
-                    ctx,
-                    stage_run,
-                    score(runtime, roll_out(runtime, problems, stage.difficulty_attempts, stage, desc="difficulty")),
-                    stage.difficulty_attempts,
-                ),
-            )
-            stage_problems = select_problems(problems, hard)
+        stage_problems = hard_problems(ctx, runtime, stage, problems, stage_run) if stage.hard_only else problems
         progress = track_progress(None, stage.name, first, stage.steps)
         for step in range(first, stage.steps):
             rl_step(cfg, ctx, runtime, stage, step, stage_problems, stage_run)
