@@ -49,8 +49,9 @@ def track_progress(artifact_id: UUID | None, stage: str, done: int, total: int) 
     """A Prefect progress artifact for the stage (percent of its steps done), created at 0."""
     percent = 100.0 * done / max(total, 1)
     if artifact_id is None:
-        key = "rl-progress-" + "".join(c if c.isalnum() else "-" for c in stage.lower())
-        return create_progress_artifact(percent, key=key, description=f"RL stage {stage}: steps done")
+        return create_progress_artifact(
+            percent, key=run_card.artifact_key("rl-progress", stage), description=f"RL stage {stage}: steps done"
+        )
     return update_progress_artifact(artifact_id, percent, description=f"RL stage {stage}: {done} of {total} steps")
 
 
@@ -58,21 +59,8 @@ def track_progress(artifact_id: UUID | None, stage: str, done: int, total: int) 
 def publish_stage_summary(ctx: RunContext, stage: str) -> None:
     """The stage's steps (from the steps table, so a resumed stage shows all of them) as a Prefect
     table artifact: reward, kept, tool use, length, timing."""
-    columns = (
-        "reward_mean",
-        "kept",
-        "tool_call_rate",
-        "tool_error_rate",
-        "response_length_mean",
-        "engine_idle_fraction",
-        "time_rollout_s",
-        "time_update_s",
-    )
-    rows = [
-        {"step": step, **{c: round(float(m[c]), 4) for c in columns if c in m}}
-        for step, m in stage_steps(ctx.run_dir, stage).items()
-    ]
-    key = "stage-summary-" + "".join(c if c.isalnum() else "-" for c in stage.lower())
+    rows = run_card.stage_summary_rows(stage_steps(ctx.run_dir, stage))
+    key = run_card.artifact_key("stage-summary", stage)
     create_table_artifact(rows, key=key, description=f"RL stage {stage}, one row per step")
 
 

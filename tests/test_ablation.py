@@ -91,21 +91,13 @@ def test_ablate_flow_runs_each_mode_from_one_sft_policy_and_reports(tmp_path) ->
 
     from flows.ablate import ablate
     from tasks.config import default_config_path
+    from tests.small_run import small_run, stage
 
     overrides = {
+        **small_run([stage("stage1", 2)]),
         "output_dir": str(tmp_path),
         "data.n_train": 24,
-        "data.n_heldout": 4,
-        "model.tiny.pretrain_steps": 2,
-        "sft.n_examples": 64,
-        "sft.epochs": 1,
         "rl.group_size": 2,
-        "eval.k": 2,
-        "eval.max_turns": 2,
-        "eval.max_response_tokens": 96,
-        "rl.stages": [
-            {"name": "stage1", "steps": 2, "max_response_tokens": 96, "max_turns": 2, "problems_per_step": 2}
-        ],
     }
     with prefect_test_harness(server_startup_timeout=180):
         report = ablate(

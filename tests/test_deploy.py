@@ -16,26 +16,13 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from tasks.store.tables import partition, read_table
 from tests.browser import _free_port
+from tests.small_run import small_run, stage
 
 pytestmark = pytest.mark.slow  # starts engines or trains
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "services.sh"
-SMALL = {
-    "data.n_train": 24,
-    "data.n_heldout": 4,
-    "model.tiny.pretrain_steps": 2,
-    "sft.n_examples": 64,
-    "sft.epochs": 1,
-    "rl.group_size": 4,
-    "eval.k": 2,
-    "eval.max_turns": 2,
-    "eval.max_response_tokens": 96,
-    "rl.stages": [
-        {"name": name, "steps": 1, "max_response_tokens": 96, "max_turns": 2, "problems_per_step": 2}
-        for name in ("stage1", "stage2")
-    ],
-}
+SMALL = {**small_run([stage("stage1", 1), stage("stage2", 1)]), "data.n_train": 24}
 
 
 def _run_deployment(client, name: str, parameters: dict, worker_log: Path):

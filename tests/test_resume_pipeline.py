@@ -16,33 +16,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tasks.tracking.mlflow_log import EXPERIMENT, tracking_uri
+from tests.small_run import small_run, stage
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = [
-    {"name": "stage1", "steps": 3, "max_response_tokens": 96, "max_turns": 2, "problems_per_step": 2},
-    {
-        "name": "hard",
-        "steps": 1,
-        "max_response_tokens": 96,
-        "max_turns": 2,
-        "problems_per_step": 2,
-        "hard_only": True,
-        "difficulty_attempts": 2,
-        "reset_optimizer": True,
-    },
-]
-SMALL = {
-    "data.n_train": 16,
-    "data.n_heldout": 4,
-    "model.tiny.pretrain_steps": 2,
-    "sft.n_examples": 64,
-    "sft.epochs": 1,
-    "rl.group_size": 4,
-    "eval.k": 2,
-    "eval.max_turns": 2,
-    "eval.max_response_tokens": 96,
-    "rl.stages": STAGES,
-}
+STAGES = [stage("stage1", 3), stage("hard", 1, hard_only=True, difficulty_attempts=2, reset_optimizer=True)]
+SMALL = small_run(STAGES)
 
 
 def command(output_dir: Path, run_id: str) -> list[str]:

@@ -73,6 +73,32 @@ def stage_row(stage: str, steps: int | None, before: dict | None, after: dict | 
     }
 
 
+# What a stage's summary shows per step, of the metrics in the steps table.
+STAGE_SUMMARY_COLUMNS = (
+    "reward_mean",
+    "kept",
+    "tool_call_rate",
+    "tool_error_rate",
+    "response_length_mean",
+    "engine_idle_fraction",
+    "time_rollout_s",
+    "time_update_s",
+)
+
+
+def stage_summary_rows(steps: dict[int, dict[str, float]]) -> list[dict]:
+    """One row per RL step (step -> metrics, as tables.stage_steps reads them), rounded."""
+    return [
+        {"step": step, **{c: round(float(m[c]), 4) for c in STAGE_SUMMARY_COLUMNS if c in m}}
+        for step, m in steps.items()
+    ]
+
+
+def artifact_key(prefix: str, stage: str) -> str:
+    """A Prefect artifact key for a stage: lower-case letters, digits and dashes only."""
+    return f"{prefix}-" + "".join(c if c.isalnum() else "-" for c in stage.lower())
+
+
 def evaluation_markdown(run_dir: Path) -> str:
     """pass@1 of every evaluated checkpoint (rows, in evaluation order) on every benchmark."""
     rows = evaluation_rows(run_dir)
