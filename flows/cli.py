@@ -1,11 +1,14 @@
 """`rstar2 run`: the whole pipeline (or some RL stages of a run) from the command line, the same
 flow the UI triggers; `rstar2 evaluate`: a saved policy of a run; `rstar2 ablate`: the RoC
-ablation over seeds; `rstar2 query "SQL"`: SQL over the runs' tables."""
+ablation over seeds; `rstar2 query "SQL"`: SQL over the runs' tables; `rstar2 plan`: where a
+config's actors would go on a cluster, and whether they fit."""
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
+import sys
 from pathlib import Path
 
 import yaml
@@ -21,6 +24,54 @@ def _overrides(pairs: list[str]) -> dict:
             raise SystemExit(f"--set expects key=value (dotted key), got {pair!r}")
         overrides[key] = yaml.safe_load(value)
     return overrides
+
+
+RESOURCES_HELP = (
+    "the cluster to plan for, instead of cluster.address / $RAY_ADDRESS or this machine: "
+    "NODESxGPUSxGIB[:cpus=N,name=amount,...], groups joined by '+'; e.g. 8x8x80 (8 nodes of 8 GPUs "
+    "with 80 GiB, 64 CPUs each), 1x8x80:cpus=96, 8x8x192+2x0:cpus=128,cpu_node=4 (plus 2 CPU-only nodes "
+    "offering the custom resource cpu_node), 1x0:cpus=2 (a laptop); NxG leaves GPU memory unknown"
+)
+
+
+def _local_resources(num_cpus: float | None):
+    """This machine as the local Ray a run starts would see it: the cores this process may use
+    (or cluster.num_cpus) and its GPUs; torch (seconds to import) only where a GPU device exists."""
+    from tasks.cluster.plan import GIB, Node, Resources
+
+    cpus = num_cpus or len(os.sched_getaffinity(0))
+    gpus, memory = 0, None
+    if glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"):
+        import torch
+
+        if torch.cuda.is_available():
+            gpus = torch.cuda.device_count()
+            memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus)) / GIB
+    return Resources((Node(cpus, gpus, memory),), "this machine")
+
+
+def _plan(args: argparse.Namespace) -> None:
+    """Print the plan; a plan that cannot fit prints its one line to stderr and exits 2. Never
+    starts Ray: without --resources it asks a running cluster (cluster.address, $RAY_ADDRESS) or
+    looks at this machine."""
+    from tasks.cluster.plan import PlanError, build_plan, format_plan, parse_resources, resources_from_ray_nodes
+    from tasks.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, _overrides(args.set))
+        address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+        if args.resources:
+            resources = parse_resources(args.resources)
+        elif address:
+            from tasks.cluster.connect import cluster_nodes  # imports Ray: only for a running cluster
+
+            resources = resources_from_ray_nodes(cluster_nodes(address), args.gpu_memory_gib, f"Ray at {address}")
+        else:
+            resources = _local_resources(cfg.cluster.num_cpus)
+        print(format_plan(build_plan(cfg, resources)))
+    except (PlanError, ConfigError) as exc:
+        print(exc, file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,7 +125,22 @@ def main(argv: list[str] | None = None) -> None:
     query = commands.add_parser("query", help="run SQL on the DuckDB views (dashboards/views.sql)")
     query.add_argument("sql", help='e.g. "SELECT stage, step, avg(reward) FROM rollouts GROUP BY ALL"')
     query.add_argument("--runs", default="outputs/runs/*", help="run folder or glob (default: every run)")
+    plan = commands.add_parser(
+        "plan", help="where a config's actors go on a cluster and the memory each GPU holds; exit 2 if it cannot fit"
+    )
+    plan.add_argument("--config", default=str(default_config_path()), help="YAML config (default: tiny)")
+    plan.add_argument("--resources", default=None, metavar="SPEC", help=RESOURCES_HELP)
+    plan.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=None,
+        help="GiB per GPU of a Ray cluster (Ray does not report it; default: memory per GPU not checked)",
+    )
+    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        _plan(args)
+        return
     if args.command == "query":
         from dashboards.views import connect
 

@@ -10,7 +10,7 @@ from tasks.config import RunConfig
 from tasks.curate import load_benchmarks, load_problems
 from tasks.data.problems import Problem
 from tasks.policy import roll_out, score, write_rollouts
-from tasks.report import end_run, reopen_run, summarize_eval
+from tasks.report import end_run, record_placement, reopen_run, summarize_eval
 from tasks.resume import finished, saved_policy
 from tasks.runtime import Runtime
 from tasks.store.run_folder import RunContext
@@ -58,6 +58,7 @@ def evaluate_checkpoint(
     policy, splits = saved_policy(ctx, checkpoint), finished(ctx, "curate")
     try:
         with Runtime(cfg, policy, ctx.run_dir) as runtime:
+            record_placement(ctx, runtime.where)
             result = evaluate(
                 cfg, ctx, runtime, label or checkpoint, load_problems(splits["heldout"]), load_benchmarks(cfg.data)
             )

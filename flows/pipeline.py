@@ -17,7 +17,14 @@ from flows.sft import base_model, sft
 from tasks.config import default_config_path, load_config
 from tasks.curate import load_benchmarks, load_problems
 from tasks.policy import serve_policy
-from tasks.report import end_run, publish_summary, stage_row, start_pipeline_run, start_stopwatch
+from tasks.report import (
+    end_run,
+    publish_summary,
+    record_placement,
+    stage_row,
+    start_pipeline_run,
+    start_stopwatch,
+)
 from tasks.resume import stages_to_run
 from tasks.runtime import Runtime
 
@@ -41,9 +48,10 @@ def pipeline(
         rows.append(stage_row("curate", None, None, None, clock))
         base_dir, base_steps = base_model(cfg, ctx, splits["train"])
         with Runtime(cfg, base_dir, ctx.run_dir) as runtime:
+            record_placement(ctx, runtime.where)
             before = evaluate(cfg, ctx, runtime, "base", heldout, benchmarks) if cfg.eval.base else None
             rows.append(stage_row("base model", base_steps, None, before, clock))
-            sft_dir, sft_steps = sft(cfg, ctx, base_dir)
+            sft_dir, sft_steps = sft(cfg, ctx, runtime, base_dir)
             serve_policy(runtime, sft_dir)
             after = evaluate(cfg, ctx, runtime, "sft", heldout, benchmarks)
             rows.append(stage_row("sft", sft_steps, before, after, clock))

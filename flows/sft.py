@@ -6,6 +6,7 @@ from prefect import flow
 
 from flows.once import run_once
 from tasks.config import RunConfig
+from tasks.runtime import Runtime
 from tasks.sft import build_base_model, train_sft
 from tasks.store.run_folder import RunContext
 
@@ -23,12 +24,12 @@ def base_model(cfg: RunConfig, ctx: RunContext, train_path: Path) -> list:
 
 
 @flow(name="sft", log_prints=True, validate_parameters=False)
-def sft(cfg: RunConfig, ctx: RunContext, base_dir: Path) -> list:
-    """[model dir, steps] of the SFT policy."""
+def sft(cfg: RunConfig, ctx: RunContext, runtime: Runtime, base_dir: Path) -> list:
+    """[model dir, steps] of the SFT policy, trained on the runtime's trainer ranks."""
     return run_once(
         ctx,
         "sft",
-        lambda stage_run: train_sft(cfg, ctx, base_dir, stage_run),
+        lambda stage_run: train_sft(cfg, ctx, runtime, base_dir, stage_run),
         mlflow_stage="sft",
         params=cfg.sft.model_dump(mode="json"),
     )

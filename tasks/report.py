@@ -109,3 +109,12 @@ def publish_summary(ctx: RunContext, rows: list[dict], wall_s: float) -> Path:
     tracker.log_metrics(ctx.mlflow_run_id, {"wall_s": wall_s})
     create_markdown_artifact(key="run-summary", markdown=markdown, description=f"run {ctx.run_id}")
     return path
+
+
+@task(cache_policy=NO_CACHE)
+def record_placement(ctx: RunContext, placement: list[dict]) -> Path:
+    """Where each actor of the run's runtime was placed (role, node, pid, GPUs): to the run folder
+    (placement.json) and the run's MLflow run, as printed when the runtime started."""
+    path = write_json({"actors": placement}, ctx.run_dir / "placement.json")
+    Tracker(ctx.output_dir).log_artifact(ctx.mlflow_run_id, path)
+    return path

@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks.config import RunConfig
 from tasks.data.chat_examples import sft_examples
 from tasks.data.problem_sets import load_problems
+from tasks.runtime import Runtime
 from tasks.store.run_folder import RunContext
 from tasks.tracking.mlflow_log import Tracker
 from tasks.train import supervised
@@ -29,8 +30,8 @@ def build_base_model(cfg: RunConfig, ctx: RunContext, train_path: Path, stage_ru
 
 
 @task(cache_policy=NO_CACHE)
-def train_sft(cfg: RunConfig, ctx: RunContext, base_dir: Path, stage_run_id: str) -> tuple[Path, int]:
-    """Non-reasoning SFT with the DeepSpeed trainer; returns the SFT model directory and steps.
+def train_sft(cfg: RunConfig, ctx: RunContext, runtime: Runtime, base_dir: Path, stage_run_id: str) -> tuple[Path, int]:
+    """Non-reasoning SFT on the run's trainer ranks; returns the SFT model directory and steps.
     How many examples each source gave, and set aside, go to the run's MLflow parent run."""
     tracker = Tracker(ctx.output_dir)
     examples, counts = sft_examples(cfg)
@@ -41,4 +42,5 @@ def train_sft(cfg: RunConfig, ctx: RunContext, base_dir: Path, stage_run_id: str
         base_dir,
         ctx.policy_dir("sft"),
         lambda metrics, step: tracker.log_metrics(stage_run_id, metrics, step),
+        runtime.supervised_trainer,
     )

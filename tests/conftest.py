@@ -3,6 +3,7 @@
 import os
 import tempfile
 
+import tasks.cluster  # noqa: F401  (before Ray is imported: keeps local Rays on 127.0.0.1)
 from tasks.config.environment import keep_local
 
 # Set before Prefect, MLflow or torch are imported by any test module.

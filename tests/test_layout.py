@@ -53,6 +53,7 @@ def test_the_library_stays_usable_without_prefect():
         ("mlflow", "tasks/tracking/"),
         ("deepspeed", "tasks/train/trainer.py"),
         ("vllm", "tasks/rollout/engine.py"),
+        ("ray", "tasks/cluster/"),
     ],
 )
 def test_a_heavy_dependency_has_one_home(package, home):
@@ -60,7 +61,7 @@ def test_a_heavy_dependency_has_one_home(package, home):
 
 
 def test_algorithms_never_reach_the_rollout_loop_or_the_services():
-    banned = ["tasks.rollout.agent", "tasks.rollout.pool", "tasks.rollout.engine", "tasks.sandbox", "tasks.runtime"]
+    banned = ["tasks.rollout.agent", "tasks.rollout.engine", "tasks.cluster", "tasks.sandbox", "tasks.runtime"]
     pure = [p for p in LIBRARY if p.parent.name in ("rl", "reward")]
     assert {
         str(p.relative_to(ROOT)): sorted(n for n in imports(p) for b in banned if n.startswith(b)) for p in pure
@@ -99,7 +100,8 @@ def test_no_task_file_is_named_like_a_library_module():
 def test_pure_modules_load_no_heavy_dependency():
     code = (
         "import sys, tasks.rl.batch, tasks.rl.roc, tasks.rollout.metrics, tasks.rollout.trajectory, "
-        "tasks.store.run_folder; print(sorted({'torch', 'aiohttp', 'transformers', 'vllm', 'mlflow', 'prefect'} "
+        "tasks.store.run_folder, tasks.config.cluster; "
+        "print(sorted({'torch', 'aiohttp', 'transformers', 'vllm', 'mlflow', 'prefect', 'ray'} "
         "& set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

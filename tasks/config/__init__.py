@@ -13,6 +13,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tasks.config.cluster import ClusterConfig
+
 
 class _Strict(BaseModel):
     # A misspelt key in a YAML file must fail loudly, not be silently ignored.
@@ -44,6 +46,9 @@ class ModelConfig(_Strict):
     path: str | None = None  # a Hugging Face model directory; None builds the tiny model
     tiny: TinyModelConfig = TinyModelConfig()
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # Billions of parameters, for `rstar2 plan` where model.path is not readable (planning away
+    # from the cluster); the model's config.json wins where it is.
+    parameters_b: float | None = Field(None, gt=0)
 
 
 class _Source(_Strict):
@@ -159,9 +164,8 @@ class EngineConfig(_Strict):
     tensor_parallel_size: int = 1
     max_num_seqs: int = 256
     gpu_memory_utilization: float = 0.85  # used on GPUs only
-    count: int = Field(1, ge=1)  # engines; more than one run in worker processes
-    # CPU only: OpenMP threads per engine, each engine process bound to its own block of cores
-    # (an engine in the pipeline's process is not: that would pin the agent loop too). Two
+    # CPU only: OpenMP threads per engine, each engine actor bound to its own block of cores
+    # (cluster.engines.count says how many engines). Two
     # engines of one thread give 1.1-1.6x one, one engine of two threads 0.7-0.9x two of one:
     # most of a tiny model's step is vLLM's Python bookkeeping (bench/rollout_bench.py).
     threads: int = Field(1, ge=1)
@@ -296,6 +300,7 @@ class RunConfig(_Strict):
     rollout: RolloutConfig = RolloutConfig()
     rl: RLConfig
     eval: EvalConfig = EvalConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
     @model_validator(mode="after")
     def _budget_temperatures(self) -> RunConfig:

@@ -17,9 +17,12 @@ import asyncio
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Protocol
 
 from tqdm import tqdm
 
+from tasks.config import EngineConfig
+from tasks.rollout.engine import FinishedTurn
 from tasks.rollout.format import (
     ANSWER_OPEN,
     TOOL_CALL_CLOSE,
@@ -30,7 +33,6 @@ from tasks.rollout.format import (
     tool_response_text,
     truncate_middle,
 )
-from tasks.rollout.pool import EnginePool
 from tasks.rollout.scheduler import make_scheduler, reserve_tokens
 from tasks.rollout.trajectory import RolloutSpec, RolloutTimes, ToolCallRecord, Trajectory
 from tasks.sandbox.client import SandboxClient
@@ -78,6 +80,21 @@ def end_turn(
     return call
 
 
+class Engines(Protocol):
+    """What the loop needs of the engines that serve it (tasks/cluster/engines.py's group)."""
+
+    cfg: EngineConfig
+    count: int
+    kv_tokens: list[int]
+    last_rollout_sizes: list[int]
+
+    def add_request(self, engine: int, *request) -> None: ...  # request: as Engine.add_request
+
+    def poll(self, timeout: float | None) -> list[tuple[int, FinishedTurn]]: ...
+
+    def stats(self) -> list[dict]: ...
+
+
 class ToolRunner:
     """Runs the async sandbox client on a loop of its own, so the sync engine loop can poll."""
 
@@ -103,7 +120,7 @@ class ToolRunner:
 
 
 def run_rollouts(
-    pool: EnginePool,
+    pool: Engines,
     tools: ToolRunner,
     tokenizer,
     problems: list[tuple[str, str]],

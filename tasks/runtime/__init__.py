@@ -1,60 +1,73 @@
 """The live services of one pipeline run, as one lifecycle object.
 
-A flow opens a `Runtime` with `with`, and everything it started (the sandbox service, the tool
-runner's loop, the vLLM engine, the verifier's worker, the trainer) is stopped on the way out,
-failure included. Tests use the same object.
+A flow opens a `Runtime` with `with`: it connects to the Ray cluster the config names (or starts
+a local one), checks the placement plan against the cluster before creating any actor, and
+places the trainer ranks, the vLLM engines and the sandbox replicas. Everything it started is
+stopped on the way out, failure included. Tests use the same object; a laptop runs the same
+actors on a local Ray.
 """
 
 from __future__ import annotations
 
-import gc
 import shutil
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from tasks.config import RunConfig
+from tasks.cluster.actors import Placement, placement_table
+from tasks.cluster.connect import RayCluster
+from tasks.cluster.engines import EngineGroup
+from tasks.cluster.plan import build_plan, resources_from_ray_nodes
+from tasks.cluster.sandboxes import SandboxGroup
+from tasks.cluster.sync import WeightSync
+from tasks.cluster.trainers import TrainerGroup
+from tasks.config import OptimConfig, RunConfig
 from tasks.reward.verify import Verifier
 from tasks.rollout.agent import ToolRunner
-from tasks.rollout.engine import weights_from_dir
 from tasks.rollout.metrics import max_logprob_gap
-from tasks.rollout.pool import EnginePool
-from tasks.sandbox.executor import Limits
-from tasks.sandbox.server import SandboxService
 from tasks.train.sample import Sample
-from tasks.train.trainer import Trainer
 
 
 class Runtime:
     def __init__(self, cfg: RunConfig, model_dir: Path, run_dir: Path):
         self.cfg, self.model_dir, self.run_dir = cfg, Path(model_dir), Path(run_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.sandbox: SandboxService | None = None
+        self.cluster = RayCluster(cfg.cluster)
+        self.placement = Placement()
+        self.where: list[dict] = []  # each actor's node and pid, as placed
+        self.sandbox: SandboxGroup | None = None
         self.tools: ToolRunner | None = None
-        self.engine: EnginePool | None = None
+        self.engine: EngineGroup | None = None
         self.verifier: Verifier | None = None
-        self.trainer: Trainer | None = None
-        self._stages_trained: set[str] = set()  # RL stages this process has trained (or resumed)
+        self.trainer: TrainerGroup | None = None
+        self.weights: WeightSync | None = None
+        self._trainer_started = False
+        self._stages_trained: set[str] = set()  # RL stages this runtime has trained (or resumed)
 
     def __enter__(self) -> Runtime:
-        box = self.cfg.sandbox
-        urls = box.urls
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _start(self) -> None:
+        cluster = self.cfg.cluster
+        self.cluster.start()
+        build_plan(self.cfg, resources_from_ray_nodes(self.cluster.nodes()))  # refuses before any actor exists
+        self.placement.start(self.cfg, self.model_dir, self.run_dir, with_sandboxes=not self.cfg.sandbox.urls)
+        self.engine = EngineGroup(self.placement.engines, self.cfg.engine)
+        urls = self.cfg.sandbox.urls
         if not urls:
-            limits = Limits(
-                timeout_s=box.timeout_s,
-                cpu_s=max(1, int(box.timeout_s)),
-                memory_mb=box.memory_mb,
-                output_bytes=box.output_bytes,
-            )
-            (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-            self.sandbox = SandboxService(
-                workers=box.workers, limits=limits, log_path=self.run_dir / "logs" / "sandbox.log"
-            ).start()
-            urls = [self.sandbox.url]
+            self.sandbox = SandboxGroup(self.placement.sandboxes, cluster.ready_timeout_s)
+            urls = self.sandbox.urls
+        self.trainer = TrainerGroup(self.placement.ranks, cluster.sync_timeout_s)
+        self.weights = WeightSync(self.trainer, self.engine, cluster)
+        self.where = self.placement.where(cluster.ready_timeout_s)
+        print(placement_table(self.where))
         self.tools = ToolRunner(urls)
         self.verifier = Verifier()
-        self.engine = EnginePool(self.model_dir, self.cfg.engine, self.cfg.seed, self.cfg.model.dtype).start()
-        return self
 
     def __exit__(self, *exc) -> None:
         for stop in (
@@ -62,34 +75,42 @@ class Runtime:
             self.verifier and self.verifier.close,
             self.engine and self.engine.stop,
             self.sandbox and self.sandbox.stop,
+            self.placement.stop,
+            self.cluster.stop,
         ):
             if stop:
                 stop()
-        self.trainer = None
-        gc.collect()
+        self.tools = self.verifier = self.engine = self.sandbox = self.trainer = None
 
     def load_policy(self, model_dir: Path) -> None:
-        """Serve a new model directory's weights from the running engine (same architecture)."""
-        self.engine.load_weights(weights_from_dir(model_dir))
+        """Serve a new model directory's weights from the running engines (same architecture)."""
+        self.engine.load_from_dir(model_dir, self.cfg.cluster.sync_timeout_s)
         self.model_dir = Path(model_dir)
 
-    def policy_trainer(self, total_steps: int, reset_optimizer: bool) -> Trainer:
-        """The RL trainer, created on first use and kept across stages unless a reset is asked."""
-        if self.trainer is None or reset_optimizer:
+    def supervised_trainer(self, model_dir: Path, optim: OptimConfig, total_steps: int) -> TrainerGroup:
+        """The trainer ranks started on `model_dir` for supervised steps (SFT); the RL trainer
+        later starts afresh from the policy the engines serve."""
+        self._trainer_started = False
+        return self.trainer.start(
+            model_dir, optim, total_steps, self.cfg.model.dtype, self.cfg.seed, self.cfg.trainer_threads
+        )
+
+    def policy_trainer(self, total_steps: int, reset_optimizer: bool) -> TrainerGroup:
+        """The RL trainer, started on first use and kept across stages unless a reset is asked."""
+        if not self._trainer_started or reset_optimizer:
             weights = self.model_dir
-            if self.trainer is not None:
+            if self._trainer_started:
                 # A fresh optimizer, the current weights: round-trip them through a directory.
                 weights = self.trainer.save_pretrained(self.run_dir / "checkpoints" / "stage-boundary")
                 self.tokenizer.save_pretrained(weights)
-            self.trainer = None
-            gc.collect()
-            self.trainer = Trainer(
+            self.trainer.start(
                 weights, self.cfg.rl.optim, total_steps, self.cfg.model.dtype, self.cfg.seed, self.cfg.trainer_threads
             )
+            self._trainer_started = True
         return self.trainer
 
     def begin_stage(self, name: str) -> set[str]:
-        """Note that this process trains RL stage `name` now; returns the stages it trained before
+        """Note that this runtime trains RL stage `name` now; returns the stages it trained before
         (a stage after one of those continues from the trainer as it is, not from a checkpoint)."""
         before = set(self._stages_trained)
         self._stages_trained.add(name)
@@ -99,13 +120,13 @@ class Runtime:
         """The trainer from a DeepSpeed checkpoint (the latest in `directory` without a tag), and
         its weights pushed into the engines."""
         self.trainer.load_checkpoint(directory, tag=tag, weights_only=weights_only)
-        self.engine.load_weights(self.trainer.named_weights())
+        self.weights.push()
 
     def sync_weights(self, probe: list[Sample]) -> float | None:
         """Push the trainer's weights into the running engines (no restart), then compare the
         two views of the policy on the probe samples: the worst per-token log-prob gap over the
         engines (every one must have the new weights); None without a probe."""
-        self.engine.load_weights(self.trainer.named_weights())
+        self.weights.push()
         if not probe:
             return None
         trainer_view = self.trainer.token_logprobs(probe)

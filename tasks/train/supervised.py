@@ -19,6 +19,8 @@ from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer
 
 Log = Callable[[dict[str, float], int], None]
+# (model directory, optimizer settings, total steps) -> a trainer with sft_step and save_pretrained
+StartTrainer = Callable[[Path, OptimConfig, int], Trainer]
 
 
 def epoch_batches(samples: list[Sample], batch_size: int, steps: int, seed: int) -> Iterator[list[Sample]]:
@@ -84,9 +86,12 @@ def build_base_model(cfg: RunConfig, train: list[Problem], model_dir: Path, log:
     return model_dir, tiny.pretrain_steps
 
 
-def train_sft(cfg: RunConfig, examples: list[Segments], base_dir: Path, out_dir: Path, log: Log) -> tuple[Path, int]:
-    """Non-reasoning SFT of the base policy on the examples; returns the SFT model directory
-    (`out_dir`, tokenizer included) and its steps."""
+def train_sft(
+    cfg: RunConfig, examples: list[Segments], base_dir: Path, out_dir: Path, log: Log, start_trainer: StartTrainer
+) -> tuple[Path, int]:
+    """Non-reasoning SFT of the base policy on the examples, with the trainer `start_trainer`
+    starts (the run's trainer ranks); returns the SFT model directory (`out_dir`, tokenizer
+    included) and its steps."""
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     samples = []
     for example in examples:
@@ -95,7 +100,7 @@ def train_sft(cfg: RunConfig, examples: list[Segments], base_dir: Path, out_dir:
             samples.append(Sample(ids, mask))
     total = max(len(samples) // cfg.sft.batch_size, 1) * cfg.sft.epochs
     optim = cfg.sft.optim.model_copy(update={"warmup_steps": round(cfg.sft.warmup_ratio * total)})
-    trainer = Trainer(base_dir, optim, total, cfg.model.dtype, cfg.seed, cfg.trainer_threads)
+    trainer = start_trainer(base_dir, optim, total)
     train_steps(trainer, samples, cfg.sft.batch_size, total, cfg.seed, "sft", log)
     out = trainer.save_pretrained(out_dir)
     tokenizer.save_pretrained(out)

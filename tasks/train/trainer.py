@@ -166,6 +166,30 @@ class Trainer:
             advantages = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
             yield tuple(t.to(self.device) for t in (ids, attention, target_mask, advantages))
 
+    def _aligned(self, samples: list[Sample]) -> list[tuple[torch.Tensor, ...]]:
+        """This rank's micro-batches, padded with empty ones (nothing to learn: no target token)
+        to the most any rank has: every rank must take part in every gradient reduction, and
+        shares of a global batch need not fill the same number of micro-batches."""
+        batches = list(self._micro_batches(by_length(samples)))
+        if self.engine.dp_world_size == 1:
+            return batches
+        most = torch.tensor(len(batches), device=self.device)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        if not batches:  # a share with no sample at all
+            batches = list(self._micro_batches([Sample([self.pad_id, self.pad_id], [0, 0])]))
+        ids, attention, target_mask, advantages = batches[-1]
+        empty = (ids, attention, torch.zeros_like(target_mask), torch.zeros_like(advantages))
+        return batches + [empty] * (int(most.item()) - len(batches))
+
+    def _global(self, metrics: dict, additive: tuple[str, ...]) -> dict:
+        """Sums over the ranks of the metrics each rank holds a share of (every one is already
+        normalised by the global batch's tokens)."""
+        if self.engine.dp_world_size > 1:
+            values = torch.tensor([float(metrics[k]) for k in additive], device=self.device, dtype=torch.float64)
+            torch.distributed.all_reduce(values)
+            metrics.update(zip(additive, values.tolist()))
+        return metrics
+
     def _logits(self, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         return self.engine(input_ids=ids, attention_mask=attention).logits[:, :-1].float()  # (B, T-1, V)
 
@@ -184,6 +208,14 @@ class Trainer:
     def _accumulate(self, n_micro: int) -> None:
         # One optimizer step per call: the step boundary falls after the last micro-batch.
         self.engine.set_train_batch_size(n_micro * self.optim.micro_batch_size * self.engine.dp_world_size)
+
+    def _stepped(self, batches: list) -> Iterator[tuple[torch.Tensor, ...]]:
+        """The micro-batches, each announced as the step boundary or not: only the last is.
+        DeepSpeed's own count, (micro_steps + 1) % gas with micro_steps running over every step,
+        put the boundary mid-step once a step had fewer micro-batches than the ones before."""
+        for index, micro in enumerate(batches):
+            self.engine.set_gradient_accumulation_boundary(index == len(batches) - 1)
+            yield micro
 
     def _finish_step(self, metrics: dict) -> dict:
         grad_norm = self.engine.get_global_grad_norm()
@@ -207,27 +239,27 @@ class Trainer:
             return self._rl_step(samples, loss_cfg, temperature)
 
     def _sft_step(self, samples: list[Sample]) -> dict:
-        batches = list(self._micro_batches(by_length(samples)))
+        batches = self._aligned(samples)
         num_tokens = self._batch_tokens(batches)
         self._accumulate(len(batches))
         self.engine.train()
         total = 0.0
-        for ids, attention, target_mask, _ in batches:
+        for ids, attention, target_mask, _ in self._stepped(batches):
             loss = sft_loss(self._logits(ids, attention), ids[:, 1:], target_mask, num_tokens=num_tokens)
             # Already normalised by the batch's tokens: no further division by micro-batches.
             self.engine.backward(loss * self._loss_scale(), scale_wrt_gas=False)
             self.engine.step()
             total += loss.item()
-        return self._finish_step({"loss": total, "tokens": num_tokens})
+        return self._finish_step(self._global({"loss": total, "tokens": num_tokens}, ("loss",)))
 
     def _rl_step(self, samples: list[Sample], loss_cfg: LossConfig, temperature: float) -> dict:
-        batches = list(self._micro_batches(by_length(samples)))
+        batches = self._aligned(samples)
         num_tokens = self._batch_tokens(batches)
         self._accumulate(len(batches))
         self.engine.train()
         metrics = {"loss": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "dual_clip_frac": 0.0}
         entropy_sum = 0.0
-        for ids, attention, target_mask, advantages in batches:
+        for ids, attention, target_mask, advantages in self._stepped(batches):
             logits = self._logits(ids, attention) / temperature
             logp = token_logprobs(logits, ids[:, 1:])
             # The optimizer steps once, after the last micro-batch: until then the weights are the
@@ -255,7 +287,9 @@ class Trainer:
                 entropy_sum += (-(log_probs.exp() * log_probs).sum(-1) * target_mask).sum().item()
         metrics["entropy"] = entropy_sum / max(num_tokens, 1)
         metrics["tokens"] = num_tokens
-        return self._finish_step(metrics)
+        return self._finish_step(
+            self._global(metrics, ("loss", "entropy", "clip_frac_low", "clip_frac_high", "dual_clip_frac"))
+        )
 
     # -- weights and checkpoints ----------------------------------------------------------------
 
@@ -302,6 +336,9 @@ class Trainer:
         return client_state or {}
 
     def save_pretrained(self, directory: Path) -> Path:
-        """A Hugging Face directory of the current weights (consolidated under ZeRO-3)."""
-        self.engine.module.save_pretrained(directory, state_dict=dict(self.named_weights()))
+        """A Hugging Face directory of the current weights (consolidated under ZeRO-3), written
+        by rank 0; every rank must call it (ZeRO-3 gathers the weights from all of them)."""
+        weights = dict(self.named_weights())
+        if self.engine.global_rank == 0:
+            self.engine.module.save_pretrained(directory, state_dict=weights)
         return directory

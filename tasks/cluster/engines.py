@@ -1,0 +1,219 @@
+"""vLLM engines as Ray actors, behind the interface the agent loop drives (add_request / poll).
+
+Each actor steps its engine on a thread of its own whenever it has work, so every engine keeps
+generating while the driver's agent loop handles finished turns and tool calls. Calls from the
+driver are queued to that thread (vLLM's in-process engine is not thread-safe). Requests are
+sent in one call per engine per poll, and finished turns come back through one outstanding
+`take` per engine: a rollout batch costs a few actor calls per engine turn, not one per token.
+
+Which engine gets which rollout is the scheduler's decision (tasks/rollout/scheduler.py); the
+group reports each engine's KV capacity and its statistics for it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import ray
+import torch
+
+from tasks.cluster.connect import node_address
+from tasks.cluster.weights import BucketLayout, SyncGroup, broadcast, bucket_size, unpack_bucket
+from tasks.config import EngineConfig
+from tasks.rollout.engine import Engine, FinishedTurn, available_cores, weights_from_dir
+
+TAKE_WAIT_S = 0.5  # how long one `take` waits for finished turns before answering empty
+
+
+def engine_cores(index: int, threads: int, cores: list[int]) -> list[int]:
+    """The cores engine `index` binds its threads to: consecutive blocks of `threads` cores,
+    wrapping around (engines then share cores) when engines x threads exceed the cores."""
+    threads = min(threads, len(cores))
+    return [cores[(index * threads + k) % len(cores)] for k in range(threads)]
+
+
+class EngineServer:
+    """The body of an engine actor: one engine, stepped by a thread of its own."""
+
+    def __init__(self, index: int, model_dir: str, cfg: dict, seed: int, dtype: str, pin_cores: bool):
+        self.index = index
+        cfg = EngineConfig(**cfg)
+        if pin_cores and not torch.cuda.is_available() and hasattr(os, "sched_setaffinity"):
+            # Engines of one node on blocks of their own, so their OpenMP threads do not contend.
+            os.sched_setaffinity(0, engine_cores(index, cfg.threads, available_cores()))
+        self.engine = Engine(Path(model_dir), cfg, seed, dtype).start()
+        self._commands: queue.Queue = queue.Queue()
+        self._finished: list[FinishedTurn] = []
+        self._turns_ready = threading.Condition()
+        self._sync_group = None
+        self._thread = threading.Thread(target=self._serve, name=f"engine-{index}", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        engine = self.engine
+        while True:
+            # Block for a command only when there is nothing to generate.
+            while not engine.has_unfinished() or not self._commands.empty():
+                work, future = self._commands.get()
+                if work is None:
+                    future.set_result(None)
+                    return
+                try:
+                    future.set_result(work())
+                except BaseException as exc:  # handed to the caller, the loop goes on
+                    future.set_exception(exc)
+            turns = engine.step()
+            if turns:
+                with self._turns_ready:
+                    self._finished += turns
+                    self._turns_ready.notify_all()
+
+    def _on_engine(self, work: Callable) -> object:
+        future: Future = Future()
+        self._commands.put((work, future))
+        return future.result()
+
+    # -- generation --------------------------------------------------------------------------
+
+    def add(self, requests: list[tuple]) -> None:
+        for request in requests:
+            self._commands.put((lambda r=request: self.engine.add_request(*r), Future()))
+
+    def take(self, wait_s: float = TAKE_WAIT_S) -> list[FinishedTurn]:
+        """The turns finished since the last take, waiting up to `wait_s` for the first."""
+        with self._turns_ready:
+            self._turns_ready.wait_for(lambda: self._finished, timeout=wait_s)
+            turns, self._finished = self._finished, []
+        return turns
+
+    # -- between batches -----------------------------------------------------------------------
+
+    def where(self) -> dict:
+        return placement_record("engine", self.index)
+
+    def kv_tokens(self) -> int:
+        return self._on_engine(self.engine.kv_tokens)
+
+    def stats(self) -> dict:
+        return self._on_engine(self.engine.stats)
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        return self._on_engine(lambda: self.engine.prompt_logprobs(sequences))
+
+    def load_from_dir(self, model_dir: str) -> None:
+        self._on_engine(lambda: self.engine.load_weights(weights_from_dir(Path(model_dir))))
+
+    def load_from_store(self, buckets: list[tuple[BucketLayout, ray.ObjectRef]]) -> None:
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for layout, ref in buckets:
+                with warnings.catch_warnings():  # read-only shared memory: vLLM copies what it loads
+                    warnings.simplefilter("ignore", UserWarning)
+                    flat = torch.from_numpy(ray.get(ref))
+                yield from unpack_bucket(flat, layout)
+
+        self._on_engine(lambda: self.engine.load_weights(tensors()))
+
+    def join_sync_group(self, group: SyncGroup, rank: int) -> None:
+        self._sync_group = (group, group.join(rank))
+
+    def receive_weights(self, layouts: list[BucketLayout]) -> None:
+        group, members = self._sync_group
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for layout in layouts:
+                flat = torch.empty(bucket_size(layout), dtype=torch.uint8, device=group.device)
+                broadcast(members, flat)
+                yield from unpack_bucket(flat, layout)
+
+        self._on_engine(lambda: self.engine.load_weights(tensors()))
+
+    def stop(self) -> None:
+        future: Future = Future()
+        self._commands.put((None, future))
+        future.result(timeout=60)
+        self.engine.stop()
+
+
+def placement_record(role: str, index: int) -> dict:
+    """Where this actor runs: what the run prints and logs as its placement."""
+    context = ray.get_runtime_context()
+    return {
+        "role": role,
+        "index": index,
+        "node_id": context.get_node_id(),
+        "node_ip": node_address(),
+        "pid": os.getpid(),
+        "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+    }
+
+
+class EngineGroup:
+    """The engine actors of a run, driven like one pool: the agent loop's interface."""
+
+    def __init__(self, actors: list, cfg: EngineConfig):
+        self.actors, self.cfg = actors, cfg
+        self.kv_tokens: list[int] = ray.get([a.kv_tokens.remote() for a in actors])
+        # Tokens per rollout of the last batch, of any kind: what cfg.kv_reserve "observed" sizes.
+        self.last_rollout_sizes: list[int] = []
+        self._to_add: list[list[tuple]] = [[] for _ in actors]
+        self._takes: dict = {}  # outstanding take -> engine index
+
+    @property
+    def count(self) -> int:
+        return len(self.actors)
+
+    def add_request(self, engine: int, *request) -> None:
+        """Queue a request for engine `engine` (arguments as Engine.add_request takes them); it
+        goes out with the others at the next poll."""
+        self._to_add[engine].append(request)
+
+    def _flush(self) -> None:
+        for engine, requests in enumerate(self._to_add):
+            if requests:
+                self.actors[engine].add.remote(requests)
+                self._to_add[engine] = []
+        waiting = set(self._takes.values())
+        for engine, actor in enumerate(self.actors):
+            if engine not in waiting:
+                self._takes[actor.take.remote()] = engine
+
+    def poll(self, timeout: float | None) -> list[tuple[int, FinishedTurn]]:
+        """Finished turns as (engine, turn), waiting up to `timeout` s (None: until some come)."""
+        self._flush()
+        while True:
+            ready, _ = ray.wait(list(self._takes), num_returns=1, timeout=timeout)
+            finished = []
+            for ref in ready:
+                engine = self._takes.pop(ref)
+                finished += [(engine, turn) for turn in ray.get(ref)]
+                self._takes[self.actors[engine].take.remote()] = engine
+            if finished or timeout is not None:
+                return finished
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[list[float]]]:
+        """Each engine's log-probs of the sequences: one list per engine."""
+        return ray.get([a.prompt_logprobs.remote(sequences) for a in self.actors])
+
+    def stats(self) -> list[dict]:
+        """Per engine: seconds spent generating, preemptions so far, its threads and cores."""
+        return ray.get([a.stats.remote() for a in self.actors])
+
+    def load_from_dir(self, model_dir: Path, timeout_s: float) -> None:
+        """Every engine reads a Hugging Face directory's weights itself (a path all nodes see)."""
+        ray.get([a.load_from_dir.remote(str(model_dir)) for a in self.actors], timeout=timeout_s)
+
+    def stop(self) -> None:
+        self._takes = {}
+        for actor in self.actors:
+            try:
+                ray.get(actor.stop.remote(), timeout=60)
+            except (ray.exceptions.RayError, TimeoutError):
+                pass  # already gone: killed below either way
+            ray.kill(actor)
+        self.actors = []

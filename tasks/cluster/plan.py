@@ -1,0 +1,398 @@
+"""A dry run of a config's `cluster:` section: which actor lands on which node, what each GPU
+holds, and a PlanError (one line, starting with the config field to change) where it cannot fit.
+Pure (no Ray; the only I/O reads a model's config.json), so `rstar2 plan` answers in a second for
+a cluster described by a string ("8x8x80"), by `ray.nodes()` or by the CLI's look at this machine.
+
+Placement follows tasks/cluster/actors.py: ranks and engines packed in node order (rank 0 on node
+0), an engine's tensor-parallel group on one node, sandbox replicas spread over the nodes offering
+what they ask for; colocated on GPUs (trainer.gpus > 0), rank i and engine i share a GPU, half
+each. Memory per GPU counts weights, gradients, optimizer state and the engine's weights and KV
+cache, not activations, CUDA graphs or allocator slack: a plan that fits by a few GiB may not run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from itertools import groupby
+from pathlib import Path
+
+from tasks.config import RunConfig
+
+GIB = 2**30
+DEFAULT_NODE_CPUS = 64  # a spec without cpus=: a typical 8-GPU node's logical CPUs
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+# Bytes per parameter of (weights, gradients, optimizer state) under mixed-precision Adam: bf16
+# weights and gradients plus fp32 master weights, m and v (4 + 4 + 4); in float32 the weights
+# are the master copy, so the optimizer adds only m and v.
+TRAIN_BYTES = {"bfloat16": (2, 2, 12), "float32": (4, 4, 8)}
+_EPS = 1e-9  # fractional CPUs: 0.1 * 3 must still fit in 0.3
+
+
+class PlanError(ValueError):
+    """A plan that cannot fit; the message is one line naming the config field to change."""
+
+
+@dataclass(frozen=True)
+class Node:
+    cpus: float
+    gpus: int = 0
+    gpu_memory_gib: float | None = None  # None: unknown, memory per GPU not checked
+    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources offered
+
+    def offers(self) -> dict[str, float]:
+        return {"CPU": self.cpus, "GPU": self.gpus, **self.resources}
+
+
+@dataclass(frozen=True)
+class Resources:
+    nodes: tuple[Node, ...]
+    source: str  # what described them: a spec, a Ray address, this machine
+
+    @property
+    def gpu_memory_gib(self) -> float | None:
+        """The smallest GPU's memory (what a plan must fit); None where no GPU's is known."""
+        return min((n.gpu_memory_gib for n in self.nodes if n.gpus and n.gpu_memory_gib), default=None)
+
+    def describe(self) -> str:
+        """'8 nodes x 8 GPUs (80 GiB), 64 CPUs + 2 nodes x 128 CPUs, cpu_node=4': runs of equal nodes."""
+        runs = []
+        for node, run in groupby(self.nodes):
+            gib = f"{node.gpu_memory_gib:g} GiB" if node.gpu_memory_gib else "memory unknown"
+            gpus = f"{node.gpus} GPU{'s' * (node.gpus > 1)} ({gib}), " if node.gpus else ""
+            custom = "".join(f", {k}={v:g}" for k, v in node.resources.items())
+            count = len(list(run))
+            runs.append(f"{count} node{'s' * (count > 1)} x {gpus}{node.cpus:g} CPUs{custom}")
+        return " + ".join(runs)
+
+
+def parse_resources(spec: str) -> Resources:
+    """'NODESxGPUSxGIB[:cpus=C,name=amount,...]', groups joined by '+'. '8x8x80' is 8 nodes of
+    8 GPUs with 80 GiB each and 64 CPUs; '2x0:cpus=128,cpu_node=4' adds 2 CPU-only nodes of 128
+    CPUs offering 4 of the custom resource cpu_node; 'NxG' leaves GPU memory unknown."""
+    nodes: list[Node] = []
+    for group in spec.split("+"):
+        shape, _, options = group.strip().partition(":")
+        try:
+            count, gpus, *memory = (float(part) for part in shape.split("x"))
+            extra = {k.strip(): float(v) for k, v in (o.split("=") for o in options.split(",") if o.strip())}
+            if len(memory) > 1 or count < 1 or count != int(count) or gpus != int(gpus):
+                raise ValueError
+        except ValueError:
+            raise PlanError(
+                f"--resources: cannot read {group!r}; expected NODESxGPUSxGIB[:cpus=N,name=amount], e.g. 8x8x80"
+            ) from None
+        cpus = extra.pop("cpus", DEFAULT_NODE_CPUS)
+        gib = memory[0] if memory and gpus else None
+        nodes += [Node(cpus, int(gpus), gib, dict(extra)) for _ in range(int(count))]
+    return Resources(tuple(nodes), f"--resources {spec}")
+
+
+def resources_from_ray_nodes(nodes: list[dict], gpu_memory_gib: float | None = None, source: str = "ray") -> Resources:
+    """`ray.nodes()` as Resources: live nodes only, custom resources without Ray's own (memory,
+    object store, node:<ip>). Ray does not report GPU memory: pass it, or None to not check it."""
+    builtin = {"CPU", "GPU", "memory", "object_store_memory"}
+    out = [
+        Node(float(r.get("CPU", 0)), int(r.get("GPU", 0)), gpu_memory_gib if r.get("GPU") else None,
+             {k: v for k, v in r.items() if k not in builtin and not k.startswith("node:")})
+        for r in (node.get("Resources", {}) for node in nodes if node.get("Alive", False))
+    ]  # fmt: skip
+    if not out:
+        raise PlanError(f"cluster.address: {source} reports no live node")
+    return Resources(tuple(out), source)
+
+
+# ---------------------------------------------------------------- the model's size
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    params: float
+    heads: int | None  # attention heads; None: unknown, tensor parallelism not checked against them
+    source: str
+
+
+def count_parameters(hf: dict) -> int:
+    """A Llama/Qwen-style decoder from its config.json fields: embeddings (and an untied head), per
+    layer q/k/v/o, a gated MLP and 2 norms; biases and q/k norms (under 0.1%) are left out."""
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    kv_heads, head_dim = hf.get("num_key_value_heads") or heads, hf.get("head_dim") or hidden // heads
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * hf["intermediate_size"] + 2 * hidden
+    embeddings = hf["vocab_size"] * hidden * (1 if hf.get("tie_word_embeddings", False) else 2)
+    return embeddings + hf["num_hidden_layers"] * per_layer + hidden
+
+
+def read_model_config(path: str) -> dict | None:
+    """The model's config.json, or None where it is not readable (planning away from the cluster)."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def model_shape(cfg: RunConfig) -> ModelShape:
+    """The parameter count: from model.path's config.json, the tiny model's fields, or model.parameters_b."""
+    model, t = cfg.model, cfg.model.tiny
+    if model.path is None:
+        hf, source = {"hidden_size": t.hidden_size, "num_attention_heads": t.num_heads, "vocab_size": t.vocab_size,
+                      "num_key_value_heads": t.num_kv_heads, "intermediate_size": t.intermediate_size,
+                      "num_hidden_layers": t.num_layers}, "model.tiny"  # fmt: skip
+    else:
+        hf, source = read_model_config(model.path) or {}, f"{model.path}/config.json"
+    try:
+        return ModelShape(count_parameters(hf), hf["num_attention_heads"], source)
+    except KeyError:  # not readable, or not a decoder config this formula knows
+        pass
+    if model.parameters_b is not None:
+        return ModelShape(model.parameters_b * 1e9, None, "model.parameters_b")
+    raise PlanError(f"model.parameters_b: {model.path}/config.json is not readable here; set it (billions)")
+
+
+# ---------------------------------------------------------------- memory per GPU
+
+
+def trainer_memory(params: float, dtype: str, zero_stage: int, ranks: int) -> dict[str, float]:
+    """GiB one rank holds: ZeRO-1 partitions the optimizer state over the ranks, ZeRO-2 also the
+    gradients, ZeRO-3 also the weights."""
+    weights, grads, optim = (b * params / GIB for b in TRAIN_BYTES[dtype])
+    return {
+        "weights": weights / ranks if zero_stage >= 3 else weights,
+        "grads": grads / ranks if zero_stage >= 2 else grads,
+        "optimizer": optim / ranks if zero_stage >= 1 else optim,
+    }
+
+
+def _gpu_loads(cfg: RunConfig, params: float, colocated: bool) -> dict[str, dict[str, float]]:
+    """What each kind of GPU the plan uses holds: kind -> part -> GiB. An engine's GPU holds its
+    share of the weights and the KV cache, which vLLM sizes per GPU (kv_cache_memory_bytes)."""
+    c, dtype = cfg.cluster, cfg.model.dtype
+    trainer = trainer_memory(params, dtype, cfg.rl.optim.zero_stage, c.trainer.ranks)
+    engine_weights = DTYPE_BYTES[dtype] * params / cfg.engine.tensor_parallel_size / GIB
+    engine = {"engine weights": engine_weights, "kv cache": cfg.engine.kv_cache_gib}
+    if colocated:
+        return {"trainer+engine": trainer | engine}
+    return ({"trainer": trainer} if c.trainer.gpus else {}) | ({"engine": engine} if c.engines.gpus else {})
+
+
+def _biggest_lever(cfg: RunConfig, params: float, parts: dict[str, float], over: float) -> tuple[str, str]:
+    """The one field whose change frees the most memory on this GPU, and what to set it to."""
+    levers = []
+    if "kv cache" in parts:
+        keep = parts["kv cache"] - over
+        advice = f"at most {keep:.1f} GiB of KV cache fits" if keep > 0 else "it would not fit even with no KV cache"
+        levers.append((parts["kv cache"], "engine.kv_cache_gib", advice))
+    stage, ranks, tp = cfg.rl.optim.zero_stage, cfg.cluster.trainer.ranks, cfg.engine.tensor_parallel_size
+    if "optimizer" in parts:  # the trainer's share: a higher ZeRO stage, or more ranks to shard over
+        for name, stage_to, ranks_to, change in (
+            ("rl.optim.zero_stage", 3, ranks, "ZeRO-3"),
+            ("cluster.trainer.ranks", stage, 2 * ranks, f"{2 * ranks} ranks"),
+        ):
+            after = trainer_memory(params, cfg.model.dtype, stage_to, ranks_to)
+            saved = sum(parts[p] - after[p] for p in after)
+            levers.append((saved, name, f"{change} would free {saved:.1f} GiB"))
+    if "engine weights" in parts and cfg.cluster.placement == "split":
+        saved = parts["engine weights"] / 2
+        levers.append((saved, "engine.tensor_parallel_size", f"{2 * tp} would free {saved:.1f} GiB"))
+    _, name, advice = max(levers)
+    return name, advice
+
+
+def _check_memory(cfg: RunConfig, params: float, loads: dict, resources: Resources) -> None:
+    capacity = resources.gpu_memory_gib
+    for kind, parts in loads.items():
+        total = sum(parts.values())
+        if capacity and total > capacity:
+            name, advice = _biggest_lever(cfg, params, parts, total - capacity)
+            breakdown = " + ".join(f"{gib:.1f} {part}" for part, gib in parts.items())
+            raise PlanError(
+                f"{name}: a {kind} GPU needs ~{total:.1f} GiB ({breakdown}; activations not counted), "
+                f"over its {capacity:g} GiB; {advice}"
+            )
+
+
+# ---------------------------------------------------------------- placement
+
+
+@dataclass(frozen=True)
+class Actor:
+    role: str  # trainer, engine or sandbox
+    index: int
+    node: int
+    cpus: float
+    gpus: float  # what it asks Ray for (half a GPU each when colocated)
+    gpu_ids: tuple[int, ...]  # the node's GPUs it runs on
+    resources: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Plan:
+    actors: tuple[Actor, ...]
+    loads: dict[str, dict[str, float]]  # kind of GPU -> part -> GiB
+    resources: Resources
+    summary: str
+
+
+ROLES = ("trainer", "engine", "sandbox")
+NOUNS = {"ranks": "ranks", "count": "engines", "replicas": "replicas"}
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """One role's request: `count` actors, each needing `needs` ({"CPU": .., "GPU": whole GPUs, custom..})."""
+
+    section: str  # cluster.trainer, cluster.engines, cluster.sandbox
+    count_name: str  # ranks, count, replicas
+    count: int
+    needs: dict[str, float]
+
+
+def _ask(section: str, count_name: str, count: int, cpus: float, gpus: int, custom: dict) -> _Ask:
+    return _Ask(section, count_name, count, {"CPU": cpus, "GPU": gpus, **custom})
+
+
+def _place(resources: Resources, free: list[dict], ask: _Ask, spread: bool) -> list[tuple[int, tuple[int, ...]]]:
+    """Packed: each actor on the first node with room, so ranks 0..k share node 0. Spread: each on
+    the next node with room after the previous one's, round the nodes. A node's GPUs go in order."""
+    slots, start, count = [], 0, len(free)
+    for index in range(ask.count):
+        order = [(start + i) % count for i in range(count)] if spread else range(count)
+        fits = (n for n in order if all(free[n].get(k, 0) + _EPS >= v for k, v in ask.needs.items() if v))
+        node = next(fits, None)
+        if node is None:
+            what = ", ".join(f"{v:g} {k}" for k, v in ask.needs.items() if v)
+            raise PlanError(
+                f"{ask.section}.{ask.count_name}: actor {index} finds no node with {what} left "
+                f"({index} of {ask.count} placed; an actor's GPUs never span nodes)"
+            )
+        first = resources.nodes[node].gpus - int(free[node]["GPU"])
+        for key, value in ask.needs.items():
+            free[node][key] = free[node].get(key, 0) - value
+        slots.append((node, tuple(range(first, first + int(ask.needs["GPU"])))))
+        start = node + 1
+    return slots
+
+
+def _check_totals(asks: list[_Ask], resources: Resources) -> None:
+    """Refuse what the whole cluster cannot meet, before placing: GPUs, custom resources, CPUs."""
+    have, offers = resources.describe(), [n.offers() for n in resources.nodes]
+    for key in sorted({k for ask in asks for k in ask.needs}, key=lambda k: (k == "CPU", k != "GPU", k)):
+        offered, need = sum(o.get(key, 0) for o in offers), 0.0
+        for ask in (a for a in asks if a.needs.get(key)):
+            each, unit = ask.needs[key], key + "s" * (key in ("CPU", "GPU"))
+            if key not in ("GPU", "CPU") and not offered:
+                raise PlanError(f"{ask.section}.resources: asks for {key}, which no node offers ({have})")
+            beside = f" beside the {need:g} asked before" if need else ""
+            need += ask.count * each
+            if need > offered + _EPS:
+                name = f"{ask.section}.cpus" if key == "CPU" else f"{ask.section}.{ask.count_name}"
+                raise PlanError(
+                    f"{name}: {ask.count} {NOUNS[ask.count_name]} x {each:g} {key} need {ask.count * each:g} {unit}"
+                    f"{beside}, the cluster has {offered:g} ({have})"
+                )
+
+
+def _check_shape(cfg: RunConfig, shape: ModelShape, colocated: bool) -> None:
+    c, tp = cfg.cluster, cfg.engine.tensor_parallel_size
+    if shape.heads and shape.heads % tp:
+        raise PlanError(f"engine.tensor_parallel_size: {tp} does not divide the model's {shape.heads} attention heads")
+    if c.trainer.gpus > 1 or (c.trainer.gpus % 1 and not colocated):
+        raise PlanError(f"cluster.trainer.gpus: a rank drives one GPU, a whole one when split (got {c.trainer.gpus:g})")
+    if c.sandbox.gpus:
+        raise PlanError(f"cluster.sandbox.gpus: sandbox replicas run programs on CPUs (got {c.sandbox.gpus:g})")
+    if colocated:
+        if tp != 1:
+            raise PlanError(f"engine.tensor_parallel_size: colocated, each engine shares one rank's GPU (got {tp})")
+        if c.engines.count != c.trainer.ranks:
+            raise PlanError(
+                f"cluster.engines.count: colocated, one engine per rank's GPU: {c.trainer.ranks}, not {c.engines.count}"
+            )
+        return
+    if c.engines.gpus and c.engines.gpus != tp:
+        raise PlanError(
+            f"cluster.engines.gpus: an engine holds engine.tensor_parallel_size = {tp} GPUs, not {c.engines.gpus:g}"
+        )
+
+
+def build_plan(cfg: RunConfig, resources: Resources) -> Plan:
+    """Place the config's actors on `resources` and estimate each GPU's memory; PlanError if the
+    plan cannot fit."""
+    c = cfg.cluster
+    colocated = c.placement == "colocated" and c.trainer.gpus > 0  # as tasks/cluster/actors.py decides
+    shape = model_shape(cfg)
+    _check_shape(cfg, shape, colocated)
+    loads = _gpu_loads(cfg, shape.params, colocated)
+    _check_memory(cfg, shape.params, loads, resources)
+    if colocated:  # one bundle per GPU: a rank and its engine, their CPUs and resources together
+        both = dict(Counter(c.trainer.resources) + Counter(c.engines.resources))
+        roles = [_ask("cluster.trainer", "ranks", c.trainer.ranks, c.trainer.cpus + c.engines.cpus, 1, both)]
+    else:
+        engine_gpus = cfg.engine.tensor_parallel_size if c.engines.gpus else 0
+        roles = [
+            _ask("cluster.trainer", "ranks", c.trainer.ranks, c.trainer.cpus, int(c.trainer.gpus), c.trainer.resources),
+            _ask("cluster.engines", "count", c.engines.count, c.engines.cpus, engine_gpus, c.engines.resources),
+        ]
+    sandbox = _ask("cluster.sandbox", "replicas", c.sandbox.replicas, c.sandbox.cpus, 0, c.sandbox.resources)
+    _check_totals([*roles, sandbox], resources)
+    free = [n.offers() for n in resources.nodes]
+    slots = [_place(resources, free, ask, spread=False) for ask in roles]
+    slots = [slots[0], slots[0]] if colocated else slots  # engine i beside rank i
+    actors = []
+    for role, spec, placed in zip(("trainer", "engine"), (c.trainer, c.engines), slots):
+        actors += [
+            Actor(role, i, node, spec.cpus, 0.5 if colocated else len(gpus), gpus, spec.resources)
+            for i, (node, gpus) in enumerate(placed)
+        ]
+    actors += [
+        Actor("sandbox", i, node, c.sandbox.cpus, 0, (), c.sandbox.resources)
+        for i, (node, _) in enumerate(_place(resources, free, sandbox, spread=True))
+    ]
+    size = f"{shape.params / 1e9:.2f}B" if shape.params >= 1e9 else f"{shape.params / 1e6:.1f}M"
+    summary = (
+        f"{cfg.name}: {size} parameters ({shape.source}), {cfg.model.dtype}; "
+        f"{c.placement if loads else 'CPUs only'}: trainer ranks {c.trainer.ranks} (ZeRO-{cfg.rl.optim.zero_stage}), "
+        f"engines {c.engines.count} (TP {cfg.engine.tensor_parallel_size}), sandbox replicas {c.sandbox.replicas}"
+    )
+    return Plan(tuple(actors), loads, resources, summary)
+
+
+# ---------------------------------------------------------------- the printed plan
+
+
+def _span(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    runs = [[i for _, i in run] for _, run in groupby(enumerate(indices), key=lambda pair: pair[1] - pair[0])]
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as text: actors (a run of one role on one node per line), then memory per GPU."""
+    lines = [f"plan  {plan.summary}", f"on    {plan.resources.describe()}  [{plan.resources.source}]", ""]
+    rows = [["actors", "node", "cpus each", "gpus each", "node GPUs", "resources each"]]
+    same = lambda a: (a.role, a.node, a.cpus, a.gpus, tuple(a.resources.items()))  # noqa: E731
+    in_node_order = sorted(plan.actors, key=lambda a: (a.node, ROLES.index(a.role), a.index))
+    for (role, node, cpus, gpus, custom), run in groupby(in_node_order, key=same):
+        run = list(run)
+        ids = sorted({g for a in run for g in a.gpu_ids})
+        resources = ", ".join(f"{k}={v:g}" for k, v in custom)
+        rows.append(
+            [f"{role} {_span([a.index for a in run])}", str(node), f"{cpus:g}", f"{gpus:g}", _span(ids), resources]
+        )
+    lines += _table(rows)
+    if not plan.loads:
+        return "\n".join([*lines, "", "no GPUs: memory per GPU not estimated"])
+    gib = plan.resources.gpu_memory_gib
+    capacity = f"{gib:g}" if gib else "unknown (not checked)"
+    parts = list(dict.fromkeys(part for load in plan.loads.values() for part in load))
+    rows = [["GPU holds", "GPUs", *parts, "total", "of GiB"]]
+    for kind, load in plan.loads.items():
+        cells = [f"{load[p]:.2f}" if p in load else "-" for p in parts]
+        gpus = len({(a.node, g) for a in plan.actors if a.role in kind for g in a.gpu_ids})
+        rows.append([kind, str(gpus), *cells, f"{sum(load.values()):.2f}", capacity])
+    lines += ["", "memory per GPU, GiB (weights, grads, optimizer: the trainer rank's share; activations not counted)"]
+    return "\n".join(lines + _table(rows))

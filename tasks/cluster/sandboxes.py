@@ -1,0 +1,52 @@
+"""Sandbox replicas as Ray actors: each runs the project's sandbox service on its node, on the
+node's address, and the rollout's client spreads calls over their URLs (least in flight)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ray
+
+from tasks.cluster.connect import node_address
+from tasks.cluster.engines import placement_record
+from tasks.sandbox.limits import Limits
+from tasks.sandbox.server import SandboxService
+
+
+class SandboxReplica:
+    """The body of a replica actor. The service's process stops with the actor (it watches its
+    parent), so a replica killed with its node leaves no server behind."""
+
+    def __init__(self, index: int, workers: int, limits: Limits, log_dir: str):
+        self.index = index
+        log_path = Path(log_dir) / f"sandbox-{index}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        host = node_address()
+        self.service = SandboxService(host=host, workers=workers, limits=limits, log_path=log_path).start()
+
+    def url(self) -> str:
+        return self.service.url
+
+    def where(self) -> dict:
+        return placement_record("sandbox", self.index) | {
+            "url": self.service.url,
+            "server_pid": self.service._process.pid,
+        }
+
+    def stop(self) -> None:
+        self.service.stop()
+
+
+class SandboxGroup:
+    def __init__(self, actors: list, timeout_s: float):
+        self.actors = actors
+        self.urls: list[str] = ray.get([a.url.remote() for a in actors], timeout=timeout_s)
+
+    def stop(self) -> None:
+        for actor in self.actors:
+            try:
+                ray.get(actor.stop.remote(), timeout=30)
+            except (ray.exceptions.RayError, TimeoutError):
+                pass  # already gone: its service saw its parent go and stopped itself
+            ray.kill(actor)
+        self.actors = []
