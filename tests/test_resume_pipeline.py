@@ -16,6 +16,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tasks.tracking.mlflow_log import EXPERIMENT, tracking_uri
+from tests.processes import placed_pids, wait_gone
 from tests.small_run import small_run, stage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,6 +88,8 @@ def test_a_killed_run_resumes_to_the_same_tables_as_an_uninterrupted_one(tmp_pat
         time.sleep(0.2)
     os.killpg(victim.pid, signal.SIGKILL)  # the flow and everything it started
     victim.wait()
+    # Its local Ray shares the driver's fate: the actors, and the sandbox servers they started, go too.
+    assert wait_gone(placed_pids(output / "runs" / "resume")) == []
     assert not (output / "runs" / "resume" / "state" / "rl-stage1.json").exists()  # killed mid-stage
     run(output, "resume", log)
     assert "stage1: resuming at step 1 of 3" in log.read_text()

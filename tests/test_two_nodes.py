@@ -7,8 +7,6 @@ Run: .venv/bin/python -m pytest tests/test_two_nodes.py -q   (about 5 minutes on
 """
 
 import json
-import os
-import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -20,6 +18,7 @@ from ray.cluster_utils import Cluster
 
 from flows.pipeline import pipeline
 from tasks.tracking.mlflow_log import EXPERIMENT, tracking_uri
+from tests.processes import placed_pids, wait_gone
 from tests.small_run import small_run, stage
 
 pytestmark = pytest.mark.slow  # starts engines or trains
@@ -40,21 +39,6 @@ ON_NODES = {
     "cluster.sandbox.resources": {"cpu_node": 1},
 }
 TABLES = ["rollouts", "steps"]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def wait_gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while (left := [pid for pid in pids if alive(pid)]) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return left
 
 
 def overrides(output_dir: Path) -> dict:
@@ -154,6 +138,5 @@ def test_tables_match_a_one_node_run_of_the_same_config(runs):
 
 
 def test_nothing_it_started_is_left_running(runs):
-    placement = json.loads((runs["two"] / "placement.json").read_text())["actors"]
-    pids = [a["pid"] for a in placement] + [a["server_pid"] for a in placement if "server_pid" in a]
-    assert wait_gone(pids + runs["ray_pids"]) == []
+    pids = placed_pids(runs["two"]) + placed_pids(runs["one"]) + runs["ray_pids"]
+    assert wait_gone(pids) == []

@@ -54,6 +54,8 @@ class RayCluster:
             ray.init(address=self.address, runtime_env={"env_vars": worker_env()}, log_to_driver=True)
         else:
             ray.init(  # on 127.0.0.1: see tasks/cluster/__init__.py
+                # "local": a new Ray, never one that `ray start` (or a test) left in /tmp/ray
+                address="local",
                 num_cpus=self.cfg.num_cpus or len(available_cores()),
                 include_dashboard=self.cfg.dashboard,
                 _node_ip_address="127.0.0.1",

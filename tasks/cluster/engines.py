@@ -163,6 +163,7 @@ class EngineGroup:
         self.last_rollout_sizes: list[int] = []
         self._to_add: list[list[tuple]] = [[] for _ in actors]
         self._takes: dict = {}  # outstanding take -> engine index
+        self.calls = 0  # actor calls made while generating (adds and takes): what a batch costs in calls
 
     @property
     def count(self) -> int:
@@ -178,10 +179,12 @@ class EngineGroup:
             if requests:
                 self.actors[engine].add.remote(requests)
                 self._to_add[engine] = []
+                self.calls += 1
         waiting = set(self._takes.values())
         for engine, actor in enumerate(self.actors):
             if engine not in waiting:
                 self._takes[actor.take.remote()] = engine
+                self.calls += 1
 
     def poll(self, timeout: float | None) -> list[tuple[int, FinishedTurn]]:
         """Finished turns as (engine, turn), waiting up to `timeout` s (None: until some come)."""
@@ -193,6 +196,7 @@ class EngineGroup:
                 engine = self._takes.pop(ref)
                 finished += [(engine, turn) for turn in ray.get(ref)]
                 self._takes[self.actors[engine].take.remote()] = engine
+                self.calls += 1
             if finished or timeout is not None:
                 return finished
 
