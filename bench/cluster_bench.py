@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -142,6 +143,11 @@ def bench_overhead(work: Path) -> None:
             )
 
 
+def pass_at_1(output_dir: Path, run_id: str) -> str:
+    stages = json.loads((output_dir / "runs" / run_id / "summary.json").read_text())["stages"]
+    return " -> ".join(f"{row['pass@1 after']:.3f}" for row in stages if row["pass@1 after"] is not None)
+
+
 def timed_run(cwd: Path, output_dir: Path, run_id: str) -> float:
     env = {**os.environ, "PYTHONPATH": str(cwd), "PREFECT_HOME": str(output_dir / "prefect"), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "flows.cli", "run", "--run-id", run_id, "--set", f"output_dir={output_dir}"]
@@ -160,6 +166,8 @@ def bench_flow(work: Path, baseline: str) -> None:
         subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=True)
     print(f"(a) tiny default flow: {baseline} {before:.0f} s, Ray runtime {after:.0f} s: ", end="")
     print(f"{after / before:.2f}x (target <= 1.10x)")
+    for name, run_id in ((baseline, "bench-baseline"), ("Ray runtime", "bench-ray")):
+        print(f"    held-out pass@1 after each stage, {name}: {pass_at_1(work / f'out-{run_id[6:]}', run_id)}")
 
 
 def main() -> None:

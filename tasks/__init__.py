@@ -4,7 +4,8 @@
   ablation.py) holds Prefect `@task` functions only, a few lines each over the library below:
   what the flows in flows/ call.
 - A folder is library code, plain Python without Prefect, usable from a test, a benchmark or a
-  notebook: config, data, sandbox, rollout, reward, rl, train, store, summary, tracking, runtime.
+  notebook: config, data, sandbox, rollout, reward, rl, train, store, summary, tracking, runtime,
+  cluster (the one place that imports Ray: actors, placement, weight sync).
   Pure algorithms (RoC, advantages, loss, scheduler policy, answer extraction, curation filters)
   do no I/O; record types (trajectory, sample, run context) live in light modules of their own.
 """

@@ -1,25 +1,26 @@
-"""Rollouts over a real pool of two vLLM engine processes, under each scheduler policy.
+"""Rollouts over a run's two vLLM engine actors (Ray), under each scheduler policy.
 
-The model is untrained, so every turn runs to the token budget: long, same-length rollouts on
-engines whose KV cache holds only a few of them. The static split overflows the cache (vLLM
-preempts and recomputes); the KV-aware scheduler admits only what fits and never does.
-About a minute on two cores.
+The engines, the sandbox replica and the trainer rank are started by the run's own lifecycle
+object (tasks/runtime: a local Ray on this machine), as a flow starts them. The model is untrained,
+so every turn runs to the token budget: long, same-length rollouts on engines whose KV cache holds
+only a few of them. The static split overflows the cache (vLLM preempts and recomputes); the
+KV-aware scheduler admits only what fits and never does. Once the run's services are stopped, no
+process they ran is left. About two minutes on two cores.
 """
 
+import time
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
-from tasks.config import EngineConfig
+from tasks.cluster.engines import engine_cores
+from tasks.config import RunConfig, default_config_path, load_config
 from tasks.data.problems import generate_problems
-from tasks.rollout.agent import ToolRunner, run_rollouts
+from tasks.rollout.agent import run_rollouts
 from tasks.rollout.engine import available_cores
-from tasks.rollout.pool import EnginePool, engine_cores
 from tasks.rollout.trajectory import RolloutSpec
-from tasks.sandbox.executor import Limits
-from tasks.sandbox.server import SandboxService
+from tests.processes import alive, wait_gone
 
 SPEC = RolloutSpec(
     max_turns=2,
@@ -32,7 +33,38 @@ SPEC = RolloutSpec(
 )
 # ~780 tokens of KV per engine: two ~330-token prompts fit, their growth does not
 # (128 hidden, 2 layers, 1 KV head of 64, fp32: 1 KiB a token).
-ENGINES = EngineConfig(kv_cache_gib=0.00075, max_model_len=512, block_size=32, count=2)
+ENGINES = {"engine.kv_cache_gib": 0.00075, "engine.max_model_len": 512, "engine.block_size": 32}
+
+
+def run_config(model_dir: Path, engines: int, **overrides) -> RunConfig:
+    """The tiny run's config on this test's model, with `engines` engine actors. Their logical
+    CPUs are a quarter each, so that trainer, engines and sandbox still fit two cores."""
+    return load_config(
+        default_config_path(),
+        {
+            "model.path": str(model_dir),
+            **ENGINES,
+            "cluster.engines.count": engines,
+            "cluster.engines.cpus": 0.25,
+            "cluster.ready_timeout_s": 180,  # a placement that cannot happen fails the test, not hangs it
+            "sandbox.workers": 2,
+            # Budgets within max_model_len (the config refuses others); this file's own are in SPEC.
+            "rl.stages": [
+                {"name": "stage1", "steps": 1, "max_response_tokens": 120, "max_turns": 2, "problems_per_step": 4}
+            ],
+            "eval.max_response_tokens": 120,
+            **overrides,
+        },
+    )
+
+
+def started_pids(where: list[dict]) -> list[int]:
+    """Every process the runtime reported starting: its actors and the sandboxes' servers."""
+    return [pid for row in where for pid in (row["pid"], row.get("server_pid")) if pid]
+
+
+def assert_gone(pids: list[int]) -> None:
+    assert not wait_gone(pids), "still running after the runtime stopped"
 
 
 def test_engines_get_their_own_blocks_of_cores() -> None:
@@ -45,29 +77,41 @@ def test_engines_get_their_own_blocks_of_cores() -> None:
 
 
 @pytest.mark.slow
-def test_an_engine_in_this_process_runs_engine_threads(model_dir) -> None:
-    previous = torch.get_num_threads()
-    try:
-        with EnginePool(model_dir, ENGINES.model_copy(update={"count": 1, "threads": 2}), seed=0) as pool:
-            assert pool.stats()[0]["threads"] == 2
-    finally:
-        torch._C.set_num_threads(previous)
+def test_an_engine_actor_runs_engine_threads(model_dir, tmp_path) -> None:
+    from tasks.runtime import Runtime
+
+    cfg = run_config(model_dir, 1, **{"engine.threads": 2})
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with Runtime(cfg, model_dir, tmp_path / "run") as runtime:
+        where = runtime.where
+        # A few tokens first: the model runs on the actor's stepping thread, which must use the
+        # threads too (before any other call reaches that thread), polled with a deadline: an
+        # engine whose stepping thread died answers nothing, ever.
+        runtime.engine.add_request(0, "r", tokenizer("1 + 1")["input_ids"], 4, 1.0, 1.0, [])
+        finished, deadline = [], time.monotonic() + 30
+        while not finished and time.monotonic() < deadline:
+            finished = runtime.engine.poll(timeout=1.0)
+        assert [(engine, turn.request_id) for engine, turn in finished] == [(0, "r")], "the engine generated nothing"
+        (stats,) = runtime.engine.stats()
+    assert stats["threads"] == 2, stats
+    assert_gone(started_pids(where))
 
 
 @pytest.fixture(scope="module")
-def services(model_dir):
-    with (
-        SandboxService(workers=2, limits=Limits(timeout_s=2.0)) as box,
-        ToolRunner([box.url]) as tools,
-        EnginePool(model_dir, ENGINES, seed=0) as pool,
-    ):
-        yield pool, tools
+def runtime(model_dir, tmp_path_factory):
+    from tasks.runtime import Runtime
+
+    cfg = run_config(model_dir, 2)
+    with Runtime(cfg, model_dir, tmp_path_factory.mktemp("run")) as runtime:
+        pids = started_pids(runtime.where)
+        yield runtime
+    assert_gone(pids)  # also where the test below was not selected
 
 
 @pytest.mark.parametrize("policy", ["static", "kv_aware", "kv_observed"])
 @pytest.mark.slow
-def test_rollouts_complete_on_a_two_engine_pool(model_dir, services, policy) -> None:
-    pool, tools = services
+def test_rollouts_complete_on_two_engine_actors(model_dir, runtime, policy) -> None:
+    pool, tools = runtime.engine, runtime.tools
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     problems = [(p.problem_id, p.question) for p in generate_problems(4, [1], seed=3)]
     # kv_observed: as if the previous batch's rollouts had held 200 tokens each.
@@ -84,7 +128,7 @@ def test_rollouts_complete_on_a_two_engine_pool(model_dir, services, policy) -> 
     assert 0.0 <= times.engine_idle_fraction < 1.0, times
     longest = max(len(t.prompt_ids) for t in trajectories) + SPEC.max_response_tokens
     slots = [kv // longest for kv in pool.kv_tokens]
-    assert min(slots) >= 1 and sum(slots) < 16, (pool.kv_tokens, longest)  # the pool cannot hold all at once
+    assert min(slots) >= 1 and sum(slots) < 16, (pool.kv_tokens, longest)  # the engines cannot hold all at once
     assert all(t.stop_reason != "budget" or len(t.response_ids) > 0 for t in trajectories)
     if policy == "kv_observed":
         assert times.kv_reserve_tokens == 260  # 1.3 x 200, so more rollouts than full-length fit
@@ -99,26 +143,36 @@ def test_rollouts_complete_on_a_two_engine_pool(model_dir, services, policy) -> 
 
 
 @pytest.mark.slow
-def test_each_engine_process_runs_on_its_own_cores(services) -> None:
-    pool, _ = services
-    for index, stats in enumerate(pool.stats()):
-        assert stats["threads"] == ENGINES.threads == 1
+def test_each_engine_actor_runs_on_its_own_cores(runtime) -> None:
+    engines = [row for row in runtime.where if row["role"] == "engine"]
+    assert len({row["pid"] for row in engines}) == 2  # two processes
+    for index, stats in enumerate(runtime.engine.stats()):
+        assert stats["threads"] == runtime.cfg.engine.threads == 1
         assert stats["cores"] == engine_cores(index, 1, available_cores()), (index, stats)
 
 
 @pytest.mark.slow
-def test_evaluation_samples_differ_at_temperature_0_6(model_dir, services) -> None:
+def test_evaluation_samples_differ_at_temperature_0_6(model_dir, runtime) -> None:
     """avg@k needs k real samples: the release evaluated greedily, which makes avg@16 one sample."""
-    from tasks.config import load_config
     from tasks.rollout.trajectory import rollout_spec
 
-    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    cfg = load_config(default_config_path())
     spec = rollout_spec(cfg.rollout, cfg.eval.model_copy(update={"max_response_tokens": 48}))
     assert spec.temperature == 0.6
-    pool, tools = services
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     problems = [(p.problem_id, p.question) for p in generate_problems(3, [1], seed=5)]
-    trajectories, _ = run_rollouts(pool, tools, tokenizer, problems, 4, spec)
+    trajectories, _ = run_rollouts(runtime.engine, runtime.tools, tokenizer, problems, 4, spec)
     for problem_id, _ in problems:
         responses = [tuple(t.response_ids) for t in trajectories if t.problem_id == problem_id]
         assert len(responses) == 4 and len(set(responses)) == 4, problem_id
+
+
+@pytest.mark.slow
+def test_no_process_of_the_runtime_outlives_it(runtime) -> None:
+    """Last in the module: stops the module's runtime (its own exit then has nothing left to do)."""
+    pids = started_pids(runtime.where)
+    roles = sorted(row["role"] for row in runtime.where)
+    assert roles == ["engine", "engine", "sandbox", "trainer"] and len(pids) == 5, runtime.where
+    assert all(alive(pid) for pid in pids)
+    runtime.__exit__(None, None, None)
+    assert_gone(pids)

@@ -108,18 +108,34 @@ def test_zero3_and_bf16_update_and_export_full_weights(trainer, zero_stage, dtyp
 
 @pytest.mark.slow
 def test_stage_boundary_reset_keeps_weights_and_drops_optimizer_state(trainer, tmp_path):
+    """Through the run's lifecycle object and its trainer rank actor: a stage without a reset
+    continues the optimizer (its warm-up goes on), a reset starts a fresh one from the current
+    weights (its warm-up starts over)."""
     from tasks.config import default_config_path, load_config
     from tasks.runtime import Runtime
 
     model_dir = trainer.save_pretrained(tmp_path / "policy")
     AutoTokenizer.from_pretrained(trainer.engine.module.config._name_or_path).save_pretrained(model_dir)
-    cfg = load_config(default_config_path(), {"rl.optim.micro_batch_size": 2, "rl.optim.zero_stage": 1})
-    runtime = Runtime(cfg, model_dir, tmp_path / "run")
-    first = runtime.policy_trainer(total_steps=5, reset_optimizer=False)
-    first.rl_step(_samples([1.0, -1.0]), LossConfig())
-    assert runtime.policy_trainer(total_steps=5, reset_optimizer=False) is first  # kept across stages
-    weights = {name: tensor.clone() for name, tensor in first.named_weights()}
-    second = runtime.policy_trainer(total_steps=5, reset_optimizer=True)
-    assert second is not first and second.engine.global_steps == 0
-    assert not second.engine.optimizer.state_dict()["base_optimizer_state"]["state"]
-    assert all(torch.equal(weights[name], tensor) for name, tensor in second.named_weights())
+    cfg = load_config(
+        default_config_path(),
+        {
+            "model.path": str(model_dir),
+            # lr x 1/3, 2/3, then 1: each step of a warm-up shows in the step's lr.
+            "rl.optim": {"lr": 1e-2, "warmup_steps": 2, "zero_stage": 1, "micro_batch_size": 2},
+            "engine.kv_cache_gib": 0.01,
+            "cluster.ready_timeout_s": 180,
+        },
+    )
+    samples = _samples([1.0, -1.0])
+    with Runtime(cfg, model_dir, tmp_path / "run") as runtime:
+        first = runtime.policy_trainer(total_steps=5, reset_optimizer=False)
+        fresh_lr = first.rl_step(samples, LossConfig())["lr"]
+        kept = runtime.policy_trainer(total_steps=5, reset_optimizer=False)  # the next stage, no reset
+        continued_lr = kept.rl_step(samples, LossConfig())["lr"]
+        assert continued_lr > fresh_lr  # the same optimizer, one step further into its warm-up
+        (weights,) = runtime.trainer.parameters()
+        reset = runtime.policy_trainer(total_steps=5, reset_optimizer=True)
+        (restarted,) = reset.parameters()
+        assert restarted.keys() == weights.keys()
+        assert all(torch.equal(weights[name], tensor) for name, tensor in restarted.items())
+        assert reset.rl_step(samples, LossConfig())["lr"] == pytest.approx(fresh_lr)  # a fresh warm-up

