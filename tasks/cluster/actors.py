@@ -138,5 +138,6 @@ def placement_table(where: list[dict]) -> str:
     for row in where:
         gpus = f" gpus {','.join(row['gpu_ids'])}" if row["gpu_ids"] else ""
         node = f"node {row['node_id'][:12]} ({row['node_ip']})"
-        lines.append(f"  {row['role']:<8}{row['index']:>3} -> {node} pid {row['pid']}{gpus}")
+        asked = ", ".join(f"{name} {amount:g}" for name, amount in sorted(row["resources"].items()))
+        lines.append(f"  {row['role']:<8}{row['index']:>3} -> {node} pid {row['pid']}{gpus} ({asked})")
     return "\n".join(lines)

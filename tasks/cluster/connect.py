@@ -14,6 +14,7 @@ from pathlib import Path
 import ray
 import torch
 
+from tasks.cluster.plan import PlanError
 from tasks.config.cluster import ClusterConfig
 from tasks.config.environment import LOCAL_ONLY
 from tasks.rollout.engine import available_cores
@@ -89,7 +90,10 @@ def node_address() -> str:
 
 def cluster_nodes(address: str) -> list[dict]:
     """The live nodes of a running cluster, for `rstar2 plan`; connects and disconnects."""
-    ray.init(address=address, log_to_driver=False)
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except ConnectionError as exc:
+        raise PlanError(f"cluster.address: no Ray cluster answers at {address} ({exc})") from None
     try:
         return [node for node in ray.nodes() if node.get("Alive")]
     finally:
