@@ -18,7 +18,7 @@ from ray.cluster_utils import Cluster
 
 from flows.pipeline import pipeline
 from tasks.tracking.mlflow_log import EXPERIMENT, tracking_uri
-from tests.processes import placed_pids, wait_gone
+from tests.processes import alive, placed_pids, wait_gone
 from tests.small_run import small_run, stage
 
 pytestmark = pytest.mark.slow  # starts engines or trains
@@ -72,9 +72,10 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("two-nodes")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"gpu_node": 4}})
     cluster.add_node(num_cpus=2, resources={"cpu_node": 2})
-    ray.init(address=cluster.address)
     try:
+        ray.init(address=cluster.address)
         nodes = {("gpu" if "gpu_node" in n["Resources"] else "cpu"): n for n in ray.nodes() if n["Alive"]}
+        ray.shutdown()  # the run connects by itself, through cluster.address, as on a real cluster
         node_ids = {role: node["NodeID"] for role, node in nodes.items()}
         addresses = {node["NodeManagerAddress"] for node in nodes.values()}
         ray_pids = [
@@ -83,10 +84,12 @@ def runs(tmp_path_factory):
             for processes in node.all_processes.values()
             for info in processes
         ]
+        on_cluster = {**overrides(root), **ON_NODES, "cluster.address": cluster.address}
         with prefect_test_harness():
-            two = pipeline(config=str(CONFIG), run_id="two-nodes", overrides={**overrides(root), **ON_NODES})
+            two = pipeline(config=str(CONFIG), run_id="two-nodes", overrides=on_cluster)
+        assert not ray.is_initialized()  # the run disconnected; the cluster is still up
+        assert all(alive(pid) for pid in ray_pids)
     finally:
-        ray.shutdown()
         cluster.shutdown()
     with prefect_test_harness():
         # The run starts a local Ray itself; 4 logical CPUs for the same actors on 2 cores.
