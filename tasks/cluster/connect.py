@@ -88,6 +88,21 @@ def node_address() -> str:
     return next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == node_id)
 
 
+def placement_record(role: str, index: int) -> dict:
+    """Where this actor runs: what the run prints and logs as its placement."""
+    context = ray.get_runtime_context()
+    return {
+        "role": role,
+        "index": index,
+        "node_id": context.get_node_id(),
+        "node_ip": node_address(),
+        "pid": os.getpid(),
+        "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        # What Ray granted (placement-group resources carry the group's id in their names).
+        "resources": {name.split("_group_")[0]: amount for name, amount in context.get_assigned_resources().items()},
+    }
+
+
 def cluster_nodes(address: str) -> list[dict]:
     """The live nodes of a running cluster, for `rstar2 plan`; connects and disconnects."""
     try:

@@ -23,7 +23,7 @@ from pathlib import Path
 import ray
 import torch
 
-from tasks.cluster.connect import node_address
+from tasks.cluster.connect import placement_record
 from tasks.cluster.weights import BucketLayout, SyncGroup, broadcast, bucket_size, unpack_bucket
 from tasks.config import EngineConfig
 from tasks.rollout.engine import Engine, FinishedTurn, available_cores, weights_from_dir
@@ -167,21 +167,6 @@ class EngineServer:
             self._commands.put((None, future))
             future.result(timeout=60)
         self.engine.stop()
-
-
-def placement_record(role: str, index: int) -> dict:
-    """Where this actor runs: what the run prints and logs as its placement."""
-    context = ray.get_runtime_context()
-    return {
-        "role": role,
-        "index": index,
-        "node_id": context.get_node_id(),
-        "node_ip": node_address(),
-        "pid": os.getpid(),
-        "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-        # What Ray granted (placement-group resources carry the group's id in their names).
-        "resources": {name.split("_group_")[0]: amount for name, amount in context.get_assigned_resources().items()},
-    }
 
 
 class EngineGroup:

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import ray
 
-from tasks.cluster.connect import node_address
-from tasks.cluster.engines import placement_record
+from tasks.cluster.connect import node_address, placement_record
 from tasks.sandbox.limits import Limits
 from tasks.sandbox.server import SandboxService
 

@@ -15,7 +15,7 @@ import torch
 
 from tasks.cluster.engines import EngineGroup
 from tasks.cluster.trainers import TrainerGroup
-from tasks.cluster.weights import BucketLayout, SyncGroup
+from tasks.cluster.weights import BucketLayout, SyncGroup, bucket_size
 from tasks.config.cluster import ClusterConfig
 
 
@@ -66,7 +66,7 @@ class WeightSync:
         if self.backend == "object_store":
             buckets = self._get([rank.put_weights.remote(self._layouts) for rank in ranks])[0]
             self._get([engine.load_from_store.remote(buckets) for engine in engines])
-            sent = sum(layout[-1][3] + layout[-1][4] for layout, _ in buckets)
+            sent = sum(bucket_size(layout) for layout, _ in buckets)
         else:
             if not self._group_ready:
                 self._join()

@@ -11,24 +11,16 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 from pathlib import Path
 
 import ray
 import torch
 
-from tasks.cluster.connect import node_address
-from tasks.cluster.engines import placement_record
+from tasks.cluster.connect import node_address, placement_record
 from tasks.cluster.weights import BucketLayout, SyncGroup, broadcast, bucket_layouts, pack_bucket
 from tasks.config import LossConfig, OptimConfig
 from tasks.train.sample import Sample
-from tasks.train.trainer import Trainer, by_length
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+from tasks.train.trainer import Trainer, by_length, free_port
 
 
 class TrainerRank:
@@ -74,9 +66,12 @@ class TrainerRank:
     def rl_step(self, samples: list[Sample], loss: dict, temperature: float) -> tuple[dict, float]:
         return self.trainer.rl_step(samples, LossConfig(**loss), temperature), self.fingerprint()
 
-    def fingerprint(self) -> float:
+    def fingerprint(self) -> float | None:
         """The sum of squares of this rank's weights: the same on every rank after a step when
-        each holds full weights (ZeRO 0-2), so a rank that drifted shows."""
+        each holds full weights (ZeRO 0-2), so a rank that drifted shows. None where there is
+        nothing to compare (one rank, or ZeRO-3's partitions)."""
+        if self.world_size == 1 or self.trainer.optim.zero_stage == 3:
+            return None
         with torch.no_grad():
             return sum(p.double().square().sum().item() for p in self.trainer.engine.module.parameters())
 
@@ -135,7 +130,6 @@ class TrainerGroup:
 
     def __init__(self, actors: list, timeout_s: float):
         self.actors, self.timeout_s = actors, timeout_s
-        self.zero_stage = 0
 
     @property
     def world_size(self) -> int:
@@ -145,7 +139,6 @@ class TrainerGroup:
         return ray.get([getattr(actor, method).remote(*args) for actor in self.actors], timeout=self.timeout_s)
 
     def start(self, model_dir: Path, optim: OptimConfig, total_steps: int, dtype: str, seed: int, threads: int):
-        self.zero_stage = optim.zero_stage
         master = ray.get(self.actors[0].rendezvous.remote(), timeout=self.timeout_s)
         self._all("start", master, str(model_dir), optim.model_dump(), total_steps, dtype, seed, threads)
         return self
@@ -164,8 +157,8 @@ class TrainerGroup:
         spread of their weights' fingerprints (0 when every rank holds the same weights)."""
         results = self._each(method, self.shares(samples), *args)
         metrics = dict(results[0][0])
-        if self.world_size > 1 and self.zero_stage < 3:
-            fingerprints = [fingerprint for _, fingerprint in results]
+        fingerprints = [fingerprint for _, fingerprint in results]
+        if None not in fingerprints:
             metrics["rank_weight_spread"] = max(fingerprints) - min(fingerprints)
         return metrics
 

@@ -23,9 +23,9 @@ from tasks.rl.loss import ppo_clip_loss, sft_loss, token_logprobs
 from tasks.train.sample import Sample
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
@@ -39,7 +39,7 @@ def init_distributed() -> None:
         # port we chose) tells a child that no launcher set them (a launcher such as torchrun
         # sets its own port), so it takes a port of its own instead of its parent's, which the
         # parent may still listen on.
-        port = str(_free_port())
+        port = str(free_port())
         os.environ.update(
             {
                 "MASTER_ADDR": "127.0.0.1",
