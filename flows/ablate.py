@@ -10,6 +10,7 @@ from prefect import flow
 from flows.pipeline import pipeline
 from tasks.ablation import read_run, sft_run_of, start_from_sft_of, write_ablation_report
 from tasks.config import default_config_path, load_config
+from tasks.config.preflight import check_run
 from tasks.summary.mode_comparison import ablation_command
 
 
@@ -29,6 +30,7 @@ def ablate(
     (outputs/ablations/<name>/report.md)."""
     modes = modes or ["paper", "release", "off"]
     cfg = load_config(config, overrides)
+    check_run(cfg)  # before a run folder gets a copy of an SFT policy
     results = []
     for seed in range(seeds):
         first = f"{name}-s{seed}-{modes[0]}"

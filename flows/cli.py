@@ -1,14 +1,19 @@
 """`rstar2 run`: the whole pipeline (or some RL stages of a run) from the command line, the same
 flow the UI triggers; `rstar2 evaluate`: a saved policy of a run; `rstar2 ablate`: the RoC
 ablation over seeds; `rstar2 query "SQL"`: SQL over the runs' tables; `rstar2 plan`: where a
-config's actors would go on a cluster, and whether they fit."""
+config's actors would go on a cluster, and whether they fit.
+
+Bad input (a config field, a data file, the model directory, the cluster) ends a command with one
+line on stderr naming what and where, and exit status 2; `run` and `ablate` check it before any
+flow starts, so nothing is written."""
 
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -16,14 +21,36 @@ import yaml
 from tasks.config.environment import keep_local
 
 
+@contextmanager
+def _bad_input_exits_2() -> Iterator[None]:
+    from tasks.config import InputError
+
+    try:
+        yield
+    except InputError as exc:
+        # One line, even where a message quotes a library's multi-line error.
+        print(" ".join(str(exc).split()), file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def _overrides(pairs: list[str]) -> dict:
+    from tasks.config import InputError
+
     overrides = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise SystemExit(f"--set expects key=value (dotted key), got {pair!r}")
+            raise InputError(f"--set expects key=value (dotted key), got {pair!r}")
         overrides[key] = yaml.safe_load(value)
     return overrides
+
+
+def _check(config: str, overrides: dict) -> None:
+    """The config and every input it names (tasks/config/preflight.py), before any flow runs."""
+    from tasks.config import load_config
+    from tasks.config.preflight import check_run
+
+    check_run(load_config(config, overrides))
 
 
 RESOURCES_HELP = (
@@ -34,44 +61,16 @@ RESOURCES_HELP = (
 )
 
 
-def _local_resources(num_cpus: float | None):
-    """This machine as the local Ray a run starts would see it: the cores this process may use
-    (or cluster.num_cpus) and its GPUs; torch (seconds to import) only where a GPU device exists."""
-    from tasks.cluster.plan import GIB, Node, Resources
-
-    cpus = num_cpus or len(os.sched_getaffinity(0))
-    gpus, memory = 0, None
-    if glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"):
-        import torch
-
-        if torch.cuda.is_available():
-            gpus = torch.cuda.device_count()
-            memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus)) / GIB
-    return Resources((Node(cpus, gpus, memory),), "this machine")
-
-
 def _plan(args: argparse.Namespace) -> None:
-    """Print the plan; a plan that cannot fit prints its one line to stderr and exits 2. Never
-    starts Ray: without --resources it asks a running cluster (cluster.address, $RAY_ADDRESS) or
-    looks at this machine."""
-    from tasks.cluster.plan import PlanError, build_plan, format_plan, parse_resources, resources_from_ray_nodes
-    from tasks.config import ConfigError, load_config
+    """Print the plan (a plan that cannot fit raises PlanError). Never starts Ray: without
+    --resources it asks a running cluster (cluster.address, $RAY_ADDRESS) or looks at this machine."""
+    from tasks.cluster.plan import build_plan, format_plan, parse_resources
+    from tasks.cluster.resources import run_resources
+    from tasks.config import load_config
 
-    try:
-        cfg = load_config(args.config, _overrides(args.set))
-        address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-        if args.resources:
-            resources = parse_resources(args.resources)
-        elif address:
-            from tasks.cluster.connect import cluster_nodes  # imports Ray: only for a running cluster
-
-            resources = resources_from_ray_nodes(cluster_nodes(address), args.gpu_memory_gib, f"Ray at {address}")
-        else:
-            resources = _local_resources(cfg.cluster.num_cpus)
-        print(format_plan(build_plan(cfg, resources)))
-    except (PlanError, ConfigError) as exc:
-        print(exc, file=sys.stderr)
-        raise SystemExit(2) from None
+    cfg = load_config(args.config, _overrides(args.set))
+    resources = parse_resources(args.resources) if args.resources else run_resources(cfg.cluster, args.gpu_memory_gib)
+    print(format_plan(build_plan(cfg, resources)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,13 +138,18 @@ def main(argv: list[str] | None = None) -> None:
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     args = parser.parse_args(argv)
     if args.command == "plan":
-        _plan(args)
+        with _bad_input_exits_2():
+            _plan(args)
         return
     if args.command == "query":
         from dashboards.views import connect
 
         connect(args.runs).sql(args.sql).show(max_width=200)
         return
+    with _bad_input_exits_2():
+        overrides = _overrides(args.set)
+        if args.command in ("run", "ablate"):
+            _check(args.config, overrides)
     if args.command == "evaluate":
         from flows.evaluate import evaluate_checkpoint
 
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
             run_id=args.run_id,
             checkpoint=args.checkpoint,
             label=args.label,
-            eval_overrides=_overrides(args.set),
+            eval_overrides=overrides,
             output_dir=args.output_dir,
         )
         return
@@ -164,14 +168,14 @@ def main(argv: list[str] | None = None) -> None:
             config=args.config,
             seeds=args.seeds,
             modes=args.modes,
-            overrides=_overrides(args.set),
+            overrides=overrides,
             name=args.name,
             sft_from=args.sft_from,
         )
         return
     from flows.pipeline import pipeline
 
-    pipeline(config=args.config, run_id=args.run_id, overrides=_overrides(args.set), stages=args.stages)
+    pipeline(config=args.config, run_id=args.run_id, overrides=overrides, stages=args.stages)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from flows.evaluate import evaluate
 from flows.rl import rl_stage
 from flows.sft import base_model, sft
 from tasks.config import default_config_path, load_config
+from tasks.config.preflight import check_run
 from tasks.curate import load_benchmarks, load_problems
 from tasks.policy import serve_policy
 from tasks.report import (
@@ -39,6 +40,7 @@ def pipeline(
     """`stages`: the RL stages to run (default: all), e.g. one stage of an earlier run, given its
     run id; the stages before it must have finished in that run."""
     cfg = load_config(config, overrides)
+    check_run(cfg)  # bad input stops here, before the run folder or its MLflow run exists
     ctx = start_pipeline_run(cfg, config, run_id)
     clock, rows = start_stopwatch(ctx), []
     try:

@@ -53,5 +53,24 @@ def test_response_budget_must_fit_the_engine():
 
 def test_unreadable_yaml_is_named(tmp_path):
     (tmp_path / "broken.yaml").write_text("rl: [unclosed")
-    with pytest.raises(ConfigError, match="broken.yaml"):
+    with pytest.raises(ConfigError, match=r"broken\.yaml, line 1: not YAML: "):
         load_config(tmp_path / "broken.yaml")
+
+
+def message(**overrides) -> str:
+    with pytest.raises(ConfigError) as exc:
+        load_config(CONFIGS / "tiny.yaml", overrides)
+    return str(exc.value)
+
+
+def test_a_bad_field_is_one_line_naming_the_file_the_field_and_the_value():
+    tiny = CONFIGS / "tiny.yaml"
+    bad = "Input should be a valid integer, unable to parse string as an integer"
+    # A number in a dotted key indexes a list: the first RL stage.
+    assert message(**{"rl.stages.0.steps": "abc"}) == f"{tiny}: rl.stages.0.steps: {bad} (got 'abc')"
+    both = message(**{"rl.stages.0.steps": "abc", "rl.group_size": "x"})
+    assert both == f"{tiny}: rl.group_size: {bad} (got 'x') (and 1 more)"
+    # A check across fields has no field path; a missing field has no value to quote.
+    assert message(**{"engine.max_model_len": 256}).startswith(f"{tiny}: engine.max_model_len (256) must exceed")
+    assert message(**{"rl.stages": [{"steps": 1}]}) == f"{tiny}: rl.stages.0.max_turns: Field required (and 3 more)"
+    assert message(**{"rl.stages.7.steps": 1}) == f"{tiny}: rl.stages.7.steps: no such field to override"

@@ -160,6 +160,7 @@ def files(tmp_path: Path) -> dict[str, Path]:
 def data_config(files: dict[str, Path]) -> DataConfig:
     return DataConfig(
         n_heldout=2,
+        malformed_rows="skip",  # the files hold malformed rows on purpose: curation counts them
         sources=[
             SourceConfig(
                 name="dapo",
@@ -233,6 +234,17 @@ def test_missing_column_names_the_file_and_column(files, tmp_path) -> None:
         load_source("omr", "parquet", files["omr"], "problem", "answer")
     with pytest.raises(SourceError, match=r"euler\.jsonl: no row has the key 'solution'"):
         load_source("euler", "jsonl", files["euler"], "problem", "solution")
+
+
+def test_a_malformed_row_is_an_error_naming_the_file_row_and_column(files) -> None:
+    with pytest.raises(SourceError) as exc:
+        load_source("omr", "parquet", files["omr"], "problem", "expected_answer")
+    # Under the default (data.malformed_rows: error); row 4 is the first without its answer.
+    assert str(exc.value).startswith(f"{files['omr']}, row 4: missing answer (expected_answer); ")
+    with pytest.raises(SourceError, match=r"euler\.jsonl, row 1 \(id 2\): problem \(problem\) is int, not text"):
+        load_source("euler", "jsonl", files["euler"], "problem", "answer", "id")
+    rows, rejected = load_source("omr", "parquet", files["omr"], "problem", "expected_answer", malformed="skip")
+    assert len(rows) == 5 and [r.row_id for r in rejected] == ["omr:4", "omr:5"]
 
 
 def test_unreadable_file_is_named_and_nothing_is_written(files, tmp_path) -> None:

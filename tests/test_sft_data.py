@@ -1,7 +1,9 @@
 """The SFT data builder: chats from function-calling and instruction-following files rendered in
-the exact rollout format, malformed chats set aside with their row ids."""
+the exact rollout format, unusable chats set aside with their row ids, a chat without its question
+or answer an error naming the file and row (or set aside too, when asked)."""
 
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -97,7 +99,9 @@ def test_chats_from_files_count_what_they_set_aside(tmp_path) -> None:
         {"conversation": []},
     ]  # no messages at all
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    examples, rejected = chats_from_file("calls", "jsonl", path, "messages", "tools", None, TOOL, "compact")
+    examples, rejected = chats_from_file(
+        "calls", "jsonl", path, "messages", "tools", None, TOOL, "compact", malformed="skip"
+    )
     assert len(examples) == 1 and examples[0][1][0].endswith(TOOL_CALL_CLOSE)
     assert TOOL_RESPONSE_OPEN in examples[0][2][0]
     assert [(r.row_id, r.reason) for r in rejected] == [
@@ -108,6 +112,19 @@ def test_chats_from_files_count_what_they_set_aside(tmp_path) -> None:
     pq.write_table(pa.Table.from_pylist([{"conversation": "x"}]), parquet)
     with pytest.raises(SourceError, match=r"chats\.parquet: no column 'messages'"):
         chats_from_file("c", "parquet", parquet, "messages", None, None, TOOL, "compact")
+
+
+def test_a_chat_without_its_answer_is_an_error_naming_the_file_and_row(tmp_path) -> None:
+    path = tmp_path / "chats.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>x</think>a"}]},
+        {"messages": [{"role": "user", "content": "q"}]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # A reasoning trace (row 0) is left out by choice; a missing answer (row 1) is bad data.
+    message = rf"^{re.escape(str(path))}, row 1: a chat must end with an assistant message .* \(messages\)"
+    with pytest.raises(SourceError, match=message):
+        chats_from_file("chats", "jsonl", path, "messages", None, None, TOOL, "compact")
 
 
 def test_the_generated_set_is_the_default_source() -> None:

@@ -68,7 +68,7 @@ class RayCluster:
         return self
 
     def nodes(self) -> list[dict]:
-        return [node for node in ray.nodes() if node.get("Alive")]
+        return live_nodes()
 
     def stop(self) -> None:
         if self.owned:
@@ -103,13 +103,20 @@ def placement_record(role: str, index: int) -> dict:
     }
 
 
+def live_nodes() -> list[dict]:
+    return [node for node in ray.nodes() if node.get("Alive")]
+
+
 def cluster_nodes(address: str) -> list[dict]:
-    """The live nodes of a running cluster, for `rstar2 plan`; connects and disconnects."""
+    """The live nodes of a running cluster, for `rstar2 plan` and the check before a run; connects
+    and disconnects. A process already connected is asked as it is (a run uses that cluster)."""
+    if ray.is_initialized():
+        return live_nodes()
     try:
         ray.init(address=address, log_to_driver=False)
     except ConnectionError as exc:
         raise PlanError(f"cluster.address: no Ray cluster answers at {address} ({exc})") from None
     try:
-        return [node for node in ray.nodes() if node.get("Alive")]
+        return live_nodes()
     finally:
         ray.shutdown()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from itertools import groupby
 from pathlib import Path
 
-from tasks.config import RunConfig
+from tasks.config import InputError, RunConfig
 
 GIB = 2**30
 DEFAULT_NODE_CPUS = 64  # a spec without cpus=: a typical 8-GPU node's logical CPUs
@@ -30,7 +30,7 @@ TRAIN_BYTES = {"bfloat16": (2, 2, 12), "float32": (4, 4, 8)}
 _EPS = 1e-9  # fractional CPUs: 0.1 * 3 must still fit in 0.3
 
 
-class PlanError(ValueError):
+class PlanError(InputError):
     """A plan that cannot fit; the message is one line naming the config field to change."""
 
 

@@ -8,7 +8,7 @@ without touching code.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -98,6 +98,9 @@ class ConsensusConfig(RolloutBudget):
         return self
 
 
+MalformedRows = Literal["error", "skip"]  # what a data row without its problem or answer does
+
+
 class DataConfig(_Strict):
     n_train: int = 512  # generated problems: train + held-out are generated together
     n_heldout: int = 64  # held out of the curated problems, whatever their source
@@ -113,6 +116,10 @@ class DataConfig(_Strict):
     consensus: ConsensusConfig | None = None
     near_duplicate_threshold: float = Field(0.85, gt=0, le=1)  # character 5-gram Jaccard
     decontamination_ngram: int = Field(8, ge=1)
+    # A row of any file source (problems, benchmarks, SFT chats) without its problem or answer:
+    # error stops the run before it writes anything, naming the file and the row; skip sets it
+    # aside as malformed (counted in curation), for a public set known to hold a few.
+    malformed_rows: MalformedRows = "error"
 
 
 class OptimConfig(_Strict):
@@ -324,31 +331,59 @@ class RunConfig(_Strict):
         return Path(self.output_dir) / "runs" / run_id
 
 
-class ConfigError(ValueError):
+class InputError(ValueError):
+    """Bad input to a run (config, data, model, cluster): the message is one line naming what and where."""
+
+
+class ConfigError(InputError):
     pass
 
 
+def describe_error(exc: ValidationError) -> str:
+    """Pydantic's first error on one line: 'rl.stages.0.steps: Input should be ... (got 'abc')',
+    and how many more there are."""
+    first, more = exc.errors()[0], exc.error_count() - 1
+    field = ".".join(str(part) for part in first["loc"])  # empty for a check across fields
+    value = first.get("input")
+    scalar = value is None or isinstance(value, str | int | float | bool)  # not a whole section
+    got = f" (got {repr(value)[:60]})" if scalar and first["type"] != "missing" else ""
+    message = first["msg"].removeprefix("Value error, ")
+    return f"{field + ': ' if field else ''}{message}{got}{f' (and {more} more)' if more else ''}"
+
+
+def _override(raw: dict, dotted: str, value: Any, path: Path) -> None:
+    """Set a dotted key in the raw YAML tree; a number indexes a list ("rl.stages.0.steps")."""
+    node: Any = raw
+    *parents, leaf = dotted.split(".")
+    try:
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node.setdefault(key, {})
+        node[int(leaf) if isinstance(node, list) else leaf] = value
+    except (AttributeError, IndexError, TypeError, ValueError):
+        raise ConfigError(f"{path}: {dotted}: no such field to override") from None
+
+
 def load_config(path: str | Path, overrides: dict | None = None) -> RunConfig:
-    """Load and validate a YAML config; `overrides` are dotted keys, e.g. {"rl.roc.mode": "off"}."""
+    """Load and validate a YAML config; `overrides` are dotted keys, e.g. {"rl.roc.mode": "off"}.
+    ConfigError's message is one line: the file, the field, what is wrong."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.MarkedYAMLError as exc:
+        where = f", line {exc.problem_mark.line + 1}" if exc.problem_mark else ""
+        raise ConfigError(f"{path}{where}: not YAML: {exc.problem}") from None
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
     for dotted, value in (overrides or {}).items():
-        node = raw
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
+        _override(raw, dotted, value, path)
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(f"invalid config {path}:\n{exc}") from exc
+        raise ConfigError(f"{path}: {describe_error(exc)}") from exc  # the full detail stays in a traceback
 
 
 def default_config_path() -> Path:
     return Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
 
-__all__ = ["RunConfig", "StageConfig", "ConfigError", "load_config", "default_config_path"]
+__all__ = ["RunConfig", "StageConfig", "ConfigError", "InputError", "load_config", "default_config_path"]

@@ -18,11 +18,12 @@ import json
 import linecache
 import random
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
-from tasks.config import RunConfig
+from tasks.config import MalformedRows, RunConfig, SftSourceConfig
 from tasks.data.problems import generate_problems
-from tasks.data.sources import Rejected, SourceError, read_records
+from tasks.data.sources import Rejected, SourceError, malformed_row, partition, read_records
 from tasks.rollout.format import (
     IM_END,
     TOOL_CALL_CLOSE,
@@ -38,6 +39,11 @@ from tasks.rollout.format import (
 )
 
 Segments = list[tuple[str, bool]]
+
+
+class MalformedChat(ValueError):
+    """A chat without its question (a first user message) or its answer (a last assistant message):
+    malformed data, unlike the chats the recipe leaves out by choice (reasoning traces, ...)."""
 
 
 def tool_call_example(question: str, code: str, answer: str, tool_name: str, tool_spec: str) -> Segments:
@@ -189,12 +195,12 @@ def chat_segments(messages, tools, tool_name: str, tool_spec: str) -> Segments:
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise ValueError("tools must be a list of JSON schemas")
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise ValueError("messages must be a list of objects with a role")
+        raise MalformedChat("messages must be a list of objects with a role")
     turns = [m for m in messages if m.get("role") != "system"]
     if not turns or turns[0].get("role") != "user":
-        raise ValueError("a chat must start with a user message")
+        raise MalformedChat("a chat must start with a user message")
     if turns[-1].get("role") != "assistant" or turns[-1].get("tool_calls"):
-        raise ValueError("a chat must end with an assistant message that calls no tool")
+        raise MalformedChat("a chat must end with an assistant message that calls no tool")
     segments: Segments = []
     previous = None
     for message in turns:
@@ -230,25 +236,60 @@ def chat_segments(messages, tools, tool_name: str, tool_spec: str) -> Segments:
     return segments
 
 
-def chats_from_file(
-    name: str, fmt: str, path, messages: str, tools: str | None, limit: int | None, tool_name: str, tool_spec: str
-) -> tuple[list[Segments], list[Rejected]]:
-    """Every usable chat of a file as segments; the others with their row id and reason."""
-    examples: list[Segments] = []
-    rejected: list[Rejected] = []
-    columns, records = read_records(fmt, Path(path))
+def chats_from_file(*args, **kwargs) -> tuple[list[Segments], list[Rejected]]:
+    """Every usable chat of a file as segments; the others with their row id and reason (`read_chats`' arguments)."""
+    return partition(read_chats(*args, **kwargs))
+
+
+def read_chats(
+    name: str,
+    fmt: str,
+    path,
+    messages: str,
+    tools: str | None,
+    limit: int | None,
+    tool_name: str,
+    tool_spec: str,
+    malformed: MalformedRows = "error",
+) -> Iterator[Segments | Rejected]:
+    """A file's chats one at a time: each usable one as segments, each other one with its row id
+    and reason; under `malformed="error"` a SourceError at the first chat without its question or
+    answer, naming the file, the row and the column."""
+    columns, records = read_records(fmt, Path(path), columns=[c for c in (messages, tools) if c])
     if columns is not None and messages not in columns:
         raise SourceError(f"{path}: no column {messages!r}; its columns: {columns}")
+    usable = 0
     for number, record in enumerate(records):
-        if limit is not None and len(examples) >= limit:
+        if limit is not None and usable >= limit:
             break
         try:
             if messages not in record:
-                raise ValueError(f"no {messages!r}")
-            examples.append(chat_segments(record[messages], record.get(tools) if tools else None, tool_name, tool_spec))
+                raise MalformedChat(f"no {messages!r}")
+            segments = chat_segments(record[messages], record.get(tools) if tools else None, tool_name, tool_spec)
+        except MalformedChat as exc:
+            if malformed == "error":
+                raise malformed_row(Path(path), number, f"{exc} ({messages})") from None
+            yield Rejected(f"{name}:{number}", name, "sft", str(exc))
         except (ValueError, TypeError) as exc:
-            rejected.append(Rejected(f"{name}:{number}", name, "sft", str(exc)))
-    return examples, rejected
+            yield Rejected(f"{name}:{number}", name, "sft", str(exc))
+        else:
+            usable += 1
+            yield segments
+
+
+def file_chats(source: SftSourceConfig, cfg: RunConfig) -> Iterator[Segments | Rejected]:
+    """An SFT file source's chats one at a time, in the run's rollout format."""
+    return read_chats(
+        source.name,
+        source.format,
+        source.path,
+        source.messages,
+        source.tools,
+        source.limit,
+        cfg.rollout.tool_name,
+        cfg.rollout.tool_spec,
+        cfg.data.malformed_rows,
+    )
 
 
 def sft_examples(cfg: RunConfig, recovery: bool = True) -> tuple[list[Segments], dict[str, float]]:
@@ -272,16 +313,7 @@ def sft_examples(cfg: RunConfig, recovery: bool = True) -> tuple[list[Segments],
                 [],
             )
         else:
-            found, rejected = chats_from_file(
-                source.name,
-                source.format,
-                source.path,
-                source.messages,
-                source.tools,
-                source.limit,
-                cfg.rollout.tool_name,
-                cfg.rollout.tool_spec,
-            )
+            found, rejected = partition(file_chats(source, cfg))
         examples += found
         counts[f"sft/{source.name}/examples"], counts[f"sft/{source.name}/rejected"] = len(found), len(rejected)
         reasons = "; ".join(f"{r.row_id}: {r.reason}" for r in rejected[:5])

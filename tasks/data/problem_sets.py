@@ -10,25 +10,22 @@ The consensus filter, which needs a policy, runs later and adds its row to the l
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
-from tasks.config import DataConfig, SourceConfig
+from tasks.config import DataConfig, MalformedRows, SourceConfig
 from tasks.data.filters import curate_rows, integer_answers
 from tasks.data.problems import Problem, generate_problems, split_problems
-from tasks.data.sources import RawProblem, Rejected, load_source
+from tasks.data.sources import RawProblem, Rejected, partition, read_rows
 from tasks.rollout.metrics import solved_attempts
 from tasks.rollout.trajectory import Rollouts
 from tasks.store.tables import CURATION, PROBLEMS, REJECTED, read_table, write_table
 
 
-def read_source(source: SourceConfig, data: DataConfig) -> tuple[list[RawProblem], list[Rejected], dict[str, Problem]]:
-    """(rows, malformed rows, the generated Problems by id, which keep their solution code)."""
-    if source.format == "generated":
-        problems = generate_problems(data.n_train + data.n_heldout, data.levels, data.seed)
-        rows = [RawProblem(p.problem_id, source.name, p.question, p.answer) for p in problems]
-        return rows, [], {p.problem_id: p for p in problems}
-    rows, rejected = load_source(
+def file_rows(source: SourceConfig, malformed: MalformedRows) -> Iterator[RawProblem | Rejected]:
+    """A file source's rows one at a time (tasks/data/sources.py)."""
+    return read_rows(
         source.name,
         source.format,
         Path(source.path),
@@ -37,7 +34,17 @@ def read_source(source: SourceConfig, data: DataConfig) -> tuple[list[RawProblem
         source.id,
         source.split,
         source.limit,
+        malformed,
     )
+
+
+def read_source(source: SourceConfig, data: DataConfig) -> tuple[list[RawProblem], list[Rejected], dict[str, Problem]]:
+    """(rows, malformed rows, the generated Problems by id, which keep their solution code)."""
+    if source.format == "generated":
+        problems = generate_problems(data.n_train + data.n_heldout, data.levels, data.seed)
+        rows = [RawProblem(p.problem_id, source.name, p.question, p.answer) for p in problems]
+        return rows, [], {p.problem_id: p for p in problems}
+    rows, rejected = partition(file_rows(source, data.malformed_rows))
     return rows, rejected, {}
 
 

@@ -3,14 +3,17 @@ read through a column mapping so that public data sets load without code changes
 
 A mapping names a column, or a path into nested values: `prompt.0.content` is the content of the
 first message of DAPO-Math-17k's `prompt` list, `reward_model.ground_truth` its label. A missing
-column or an unreadable file stops with one error naming the file and the column; a bad row
-(missing or empty problem, missing answer, wrong types) is set aside with its row id and why.
+column or an unreadable file stops with one error naming the file and the column; so does a bad
+row (missing or empty problem, missing answer, wrong types), naming the row too, unless the
+caller asks for such rows to be set aside with their row id and why (`data.malformed_rows`).
+Files are read a batch of rows at a time, only the columns the mapping names where the format
+allows.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +21,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tasks.config import InputError, MalformedRows
 
-class SourceError(ValueError):
+
+class SourceError(InputError):
     """A source that cannot be read at all (file, format or column)."""
 
 
@@ -56,22 +61,40 @@ def _lookup(record: Any, path: str) -> Any:
     return value
 
 
-def read_records(fmt: str, path: Path, split: str | None = None) -> tuple[list[str] | None, Iterator[dict]]:
-    """(top-level column names where the format has a schema, records)."""
+def read_records(
+    fmt: str, path: Path, split: str | None = None, columns: list[str] | None = None
+) -> tuple[list[str] | None, Iterator[dict]]:
+    """(top-level column names where the format has a schema, records). `columns`: the top-level
+    columns a caller needs; the others are left unread where the format allows (not JSONL)."""
     if not path.exists():
         raise SourceError(f"{path}: no such file or directory")
     try:
         if fmt == "parquet":
-            table = pq.read_table(path)
-            return table.column_names, iter(table.to_pylist())
+            file = pq.ParquetFile(path)
+            names = file.schema_arrow.names
+            return names, _rows(file.iter_batches(columns=_present(columns, names)), path, fmt)
         if fmt == "hf_disk":
             table = _read_saved_dataset(path / split if split else path)
-            return table.column_names, iter(table.to_pylist())
+            names = table.column_names
+            return names, _rows(table.select(_present(columns, names) or names).to_batches(), path, fmt)
         if fmt == "jsonl":
             return None, _jsonl(path)
     except (OSError, pa.ArrowException, json.JSONDecodeError) as exc:
         raise SourceError(f"{path}: cannot read as {fmt}: {exc}") from None
     raise SourceError(f"{path}: unknown format {fmt!r}")
+
+
+def _present(columns: list[str] | None, names: list[str]) -> list[str] | None:
+    return None if columns is None else [c for c in names if c in columns]
+
+
+def _rows(batches: Iterator[pa.RecordBatch], path: Path, fmt: str) -> Iterator[dict]:
+    """One batch in memory at a time: a large file's other rows stay on disk."""
+    try:
+        for batch in batches:
+            yield from batch.to_pylist()
+    except (OSError, pa.ArrowException) as exc:
+        raise SourceError(f"{path}: cannot read as {fmt}: {exc}") from None
 
 
 def _jsonl(path: Path) -> Iterator[dict]:
@@ -105,7 +128,27 @@ def _read_saved_dataset(directory: Path) -> pa.Table:
     return pa.concat_tables(tables)
 
 
-def load_source(
+def malformed_row(path: Path, number: int, reason: str, key: Any = None) -> SourceError:
+    """The one-line error for a malformed row under `error`, naming the file, the row (its id
+    where the source has an id column) and the column."""
+    row = f"row {number}" + (f" (id {key})" if key not in (None, number) else "")
+    return SourceError(f"{path}, {row}: {reason}; data.malformed_rows: skip sets such rows aside")
+
+
+def partition(items: Iterable[Any]) -> tuple[list[Any], list[Rejected]]:
+    """(the usable items, the rejected ones) of a reader's stream."""
+    kept, rejected = [], []
+    for item in items:
+        (rejected if isinstance(item, Rejected) else kept).append(item)
+    return kept, rejected
+
+
+def load_source(*args, **kwargs) -> tuple[list[RawProblem], list[Rejected]]:
+    """The source's usable rows, and its malformed ones with the reason (`read_rows`' arguments)."""
+    return partition(read_rows(*args, **kwargs))
+
+
+def read_rows(
     name: str,
     fmt: str,
     path: Path,
@@ -114,25 +157,29 @@ def load_source(
     id_column: str | None = None,
     split: str | None = None,
     limit: int | None = None,
-) -> tuple[list[RawProblem], list[Rejected]]:
-    """The source's usable rows, and its malformed ones with the reason."""
-    columns, records = read_records(fmt, Path(path), split)
+    malformed: MalformedRows = "error",
+) -> Iterator[RawProblem | Rejected]:
+    """The source's rows one at a time, in file order: each usable one, and each malformed one
+    with its reason; under `malformed="error"` a SourceError naming the first malformed one once
+    the file is read (a column no row has is the likelier mistake, and is named instead)."""
     wanted = [c for c in (problem, answer, id_column) if c]
+    columns, records = read_records(fmt, Path(path), split, [c.split(".")[0] for c in wanted])
     if columns is not None:
         for column in wanted:
             if column.split(".")[0] not in columns:
                 raise SourceError(
                     f"{path}: no column {column.split('.')[0]!r} (needed for {column!r}); its columns: {columns}"
                 )
-    rows: list[RawProblem] = []
-    rejected: list[Rejected] = []
+    usable, read, first_malformed = 0, 0, None
     seen_columns: set[str] = set()
     for number, record in enumerate(records):
-        if limit is not None and len(rows) >= limit:
+        if limit is not None and usable >= limit:
             break
+        read += 1
         seen_columns.update(record)
         key = _lookup(record, id_column) if id_column else number
-        row_id = f"{name}:{number if key is _MISSING or key is None else key}"
+        key = number if key is _MISSING or key is None else key
+        row_id = f"{name}:{key}"
         question, label = _lookup(record, problem), _lookup(record, answer)
         reason = None
         if question is _MISSING or question is None:
@@ -145,15 +192,19 @@ def load_source(
             reason = f"missing answer ({answer})"
         elif isinstance(label, bool) or not isinstance(label, str | int | float):
             reason = f"answer ({answer}) is {type(label).__name__}, not a number or text"
-        if reason:
-            rejected.append(Rejected(row_id, name, "malformed", reason))
+        if reason and malformed == "error":
+            first_malformed = first_malformed or malformed_row(path, number, reason, key)
+        elif reason:
+            yield Rejected(row_id, name, "malformed", reason)
         else:
-            rows.append(RawProblem(row_id, name, question, str(label)))
-    if columns is None and (rows or rejected):
+            usable += 1
+            yield RawProblem(row_id, name, question, str(label))
+    if columns is None and read:
         for column in wanted:
             if column.split(".")[0] not in seen_columns:
                 raise SourceError(
                     f"{path}: no row has the key {column.split('.')[0]!r} (needed for {column!r}); "
                     f"keys seen: {sorted(seen_columns)}"
                 )
-    return rows, rejected
+    if first_malformed:
+        raise first_malformed
