@@ -61,11 +61,13 @@ def checkpoint(runtime: Runtime, ctx: RunContext, stage: str, step: int, keep: i
 
 @task(cache_policy=NO_CACHE)
 def sync_weights(runtime: Runtime, batch: TrainingBatch, probe_size: int = 2) -> dict:
-    """Push the trainer's weights into the running engines; a stale or wrong sync shows up as a
-    log-prob gap on a few kept trajectories."""
-    started = time.perf_counter()
+    """Push the trainer's weights into the running engines, and into any Ray has restarted (they
+    serve again from the next step); a stale or wrong sync shows up as a log-prob gap on a few
+    kept trajectories."""
+    started, restarts = time.perf_counter(), runtime.engine.restarts
     gap = runtime.sync_weights(batch.samples[:probe_size])
-    return {"time_sync_s": time.perf_counter() - started} | ({} if gap is None else {"sync_logprob_gap": gap})
+    metrics = {"time_sync_s": time.perf_counter() - started, "engine_restarts": runtime.engine.restarts - restarts}
+    return metrics | ({} if gap is None else {"sync_logprob_gap": gap})
 
 
 @task(cache_policy=NO_CACHE)

@@ -108,3 +108,25 @@ def test_simulation_finishes_every_rollout_and_kv_aware_never_evicts() -> None:
     assert observed["makespan_s"] < kv_aware["makespan_s"]  # bigger batches, same engines
     for result in (static, kv_aware, observed):
         assert result["makespan_s"] > 0 and 0 <= result["idle_fraction"] < 1
+
+
+def test_kv_aware_sends_a_dead_engines_rollouts_to_the_others_first() -> None:
+    scheduler = KVAwareScheduler([2_000, 2_000], 1_000, range(6))
+    assert scheduler.admit() == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    scheduler.finish(2)
+    assert scheduler.drop_engine(0) == [0]
+    scheduler.finish(1)
+    # engine 1 alone now: the moved rollout before the ones that never started
+    assert scheduler.admit() == [(0, 1)]
+    scheduler.finish(3)
+    assert scheduler.admit() == [(4, 1)]
+
+
+def test_static_deals_a_dead_engines_rollouts_over_the_rest() -> None:
+    scheduler = StaticScheduler(3, range(6))
+    admitted = scheduler.admit()
+    scheduler.finish(0)
+    assert scheduler.drop_engine(0) == [3]
+    assert scheduler.admit() == [(3, 1)]
+    assert len(admitted) == 6 and scheduler.drop_engine(1) == [1, 3, 4]
+    assert scheduler.admit() == [(1, 2), (3, 2), (4, 2)]

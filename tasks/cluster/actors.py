@@ -96,9 +96,11 @@ class Placement:
         engine_actor = ray.remote(EngineServer)
         engine_cfg = cfg.engine.model_dump()
         self.engines = [
-            engine_actor.options(**self._at(pg, b, c.engines, engine_gpus, max_concurrency=ENGINE_CONCURRENCY)).remote(
-                index, str(model_dir), engine_cfg, cfg.seed + index, cfg.model.dtype, c.engines.count > 1
-            )
+            engine_actor.options(
+                **self._at(pg, b, c.engines, engine_gpus),
+                max_concurrency=ENGINE_CONCURRENCY,
+                max_restarts=c.engines.max_restarts,
+            ).remote(index, str(model_dir), engine_cfg, cfg.seed + index, cfg.model.dtype, c.engines.count > 1)
             for index, (pg, b) in enumerate(engine_slots[: c.engines.count])
         ]
         if with_sandboxes:
@@ -113,7 +115,9 @@ class Placement:
             pg = self._group([_bundle(spec, 0)] * spec.replicas, "SPREAD", "sandbox", timeout)
             replica = ray.remote(SandboxReplica)
             self.sandboxes = [
-                replica.options(**self._at(pg, b, spec, 0)).remote(index, box.workers, limits, str(run_dir / "logs"))
+                replica.options(**self._at(pg, b, spec, 0), max_restarts=spec.max_restarts).remote(
+                    index, box.workers, limits, str(run_dir / "logs")
+                )
                 for index, b in enumerate(_in_node_order(pg))
             ]
         return self

@@ -169,21 +169,51 @@ class EngineServer:
         self.engine.stop()
 
 
+ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
 class EngineGroup:
-    """The engine actors of a run, driven like one pool: the agent loop's interface."""
+    """The engine actors of a run, driven like one pool: the agent loop's interface.
+
+    An engine whose actor dies stops serving at once: `failed()` names it to the agent loop,
+    which moves its rollouts to the others. Ray restarts the actor (cluster.engines.max_restarts)
+    with the weights it started from, so it serves again only after `restarted()` has found it up
+    and the trainer's current weights have been pushed into it (tasks/cluster/sync.py)."""
 
     def __init__(self, actors: list, cfg: EngineConfig):
         self.actors, self.cfg = actors, cfg
         self.kv_tokens: list[int] = ray.get([a.kv_tokens.remote() for a in actors])
+        self.serving = [True] * len(actors)
         # Tokens per rollout of the last batch, of any kind: what cfg.kv_reserve "observed" sizes.
         self.last_rollout_sizes: list[int] = []
         self._to_add: list[list[tuple]] = [[] for _ in actors]
         self._takes: dict = {}  # outstanding take -> engine index
+        self._failed: list[int] = []  # found dead, not yet reported by failed()
+        self._probes: dict[int, ray.ObjectRef] = {}  # dead engine -> a call that answers once it is back
+        self._last_stats: list[dict] = [{"busy_s": 0.0, "preemptions": 0} for _ in actors]
         self.calls = 0  # actor calls made while generating (adds and takes): what a batch costs in calls
+        self.deaths = self.restarts = 0
 
     @property
     def count(self) -> int:
         return len(self.actors)
+
+    def _lose(self, engine: int, error: BaseException) -> None:
+        if not self.serving[engine]:
+            return
+        self.serving[engine] = False
+        self._to_add[engine] = []
+        self._takes = {ref: e for ref, e in self._takes.items() if e != engine}
+        self._failed.append(engine)
+        self.deaths += 1
+        print(f"engine {engine} died ({type(error).__name__}): its rollouts continue on the other engines")
+        if not any(self.serving):
+            raise RuntimeError(f"every engine is gone; the last, engine {engine}, with: {error}") from error
+
+    def failed(self) -> list[int]:
+        """The engines found dead since the last call."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def add_request(self, engine: int, *request) -> None:
         """Queue a request for engine `engine` (arguments as Engine.add_request takes them); it
@@ -198,35 +228,80 @@ class EngineGroup:
                 self.calls += 1
         waiting = set(self._takes.values())
         for engine, actor in enumerate(self.actors):
-            if engine not in waiting:
+            if self.serving[engine] and engine not in waiting:
                 self._takes[actor.take.remote()] = engine
                 self.calls += 1
 
-    def poll(self, timeout: float | None) -> list[tuple[int, FinishedTurn]]:
-        """Finished turns as (engine, turn), waiting up to `timeout` s (None: until some come)."""
-        self._flush()
-        while True:
-            ready, _ = ray.wait(list(self._takes), num_returns=1, timeout=timeout)
-            finished = []
-            for ref in ready:
-                engine = self._takes.pop(ref)
+    def _collect(self, ready: list) -> list[tuple[int, FinishedTurn]]:
+        finished = []
+        for ref in ready:
+            engine = self._takes.pop(ref)
+            try:
                 finished += [(engine, turn) for turn in ray.get(ref)]
-                self._takes[self.actors[engine].take.remote()] = engine
-                self.calls += 1
-            if finished or timeout is not None:
+            except ACTOR_GONE as gone:
+                self._lose(engine, gone)
+        return finished
+
+    def poll(self, timeout: float | None) -> list[tuple[int, FinishedTurn]]:
+        """Finished turns as (engine, turn), waiting up to `timeout` s (None: until some come, or
+        an engine is found dead)."""
+        while True:
+            self._flush()
+            ready, _ = ray.wait(list(self._takes), num_returns=1, timeout=timeout)
+            finished = self._collect(ready)
+            if finished or timeout is not None or self._failed:
                 return finished
 
+    def check(self) -> None:
+        """Between batches: answered takes are collected, so an engine that died since is known."""
+        ready, _ = ray.wait(list(self._takes), num_returns=len(self._takes), timeout=0)
+        self._collect(ready)
+
+    def restarted(self) -> list[int]:
+        """Dead engines that Ray has brought back since (without waiting for any)."""
+        back = []
+        for engine in [e for e, serving in enumerate(self.serving) if not serving]:
+            probe = self._probes.setdefault(engine, self.actors[engine].kv_tokens.remote())
+            if not ray.wait([probe], timeout=0)[0]:
+                continue
+            del self._probes[engine]
+            try:
+                self.kv_tokens[engine] = ray.get(probe)
+            except ACTOR_GONE:
+                continue  # still restarting, or gone for good: asked again next time
+            back.append(engine)
+        return back
+
+    def rejoin(self, engines: list[int]) -> None:
+        """Restarted engines serve again (they hold the current weights now)."""
+        for engine in engines:
+            self.serving[engine] = True
+            self._last_stats[engine] = {"busy_s": 0.0, "preemptions": 0}  # a new engine counts from zero
+            self.restarts += 1
+            print(f"engine {engine} is back and serving")
+
+    @property
+    def live(self) -> list:
+        return [actor for actor, serving in zip(self.actors, self.serving) if serving]
+
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[list[float]]]:
-        """Each engine's log-probs of the sequences: one list per engine."""
-        return ray.get([a.prompt_logprobs.remote(sequences) for a in self.actors])
+        """Each serving engine's log-probs of the sequences: one list per engine."""
+        return ray.get([a.prompt_logprobs.remote(sequences) for a in self.live])
 
     def stats(self) -> list[dict]:
-        """Per engine: seconds spent generating, preemptions so far, its threads and cores."""
-        return ray.get([a.stats.remote() for a in self.actors])
+        """Per engine: seconds spent generating, preemptions so far, its threads and cores (the
+        last known for an engine that is not serving)."""
+        asked = {engine: actor.stats.remote() for engine, actor in enumerate(self.actors) if self.serving[engine]}
+        for engine, ref in asked.items():
+            try:
+                self._last_stats[engine] = ray.get(ref)
+            except ACTOR_GONE as gone:
+                self._lose(engine, gone)
+        return list(self._last_stats)
 
     def load_from_dir(self, model_dir: Path, timeout_s: float) -> None:
         """Every engine reads a Hugging Face directory's weights itself (a path all nodes see)."""
-        ray.get([a.load_from_dir.remote(str(model_dir)) for a in self.actors], timeout=timeout_s)
+        ray.get([a.load_from_dir.remote(str(model_dir)) for a in self.live], timeout=timeout_s)
 
     def stop(self) -> None:
         self._takes = {}
@@ -235,5 +310,5 @@ class EngineGroup:
                 ray.get(actor.stop.remote(), timeout=60)
             except (ray.exceptions.RayError, TimeoutError):
                 pass  # already gone: killed below either way
-            ray.kill(actor)
+            ray.kill(actor, no_restart=True)
         self.actors = []

@@ -14,7 +14,9 @@ from tasks.sandbox.server import SandboxService
 
 class SandboxReplica:
     """The body of a replica actor. The service's process stops with the actor (it watches its
-    parent), so a replica killed with its node leaves no server behind."""
+    parent), so a replica killed with its node leaves no server behind; Ray restarts a killed
+    actor (cluster.sandbox.max_restarts), and the actor starts its service again, on the same
+    port, if the service alone died."""
 
     def __init__(self, index: int, workers: int, limits: Limits, log_dir: str):
         self.index = index
@@ -24,13 +26,14 @@ class SandboxReplica:
         self.service = SandboxService(host=host, workers=workers, limits=limits, log_path=log_path).start()
 
     def url(self) -> str:
+        """Where the service answers; started again first if it died."""
+        if not self.service.alive:
+            self.service.stop()
+            self.service.start()
         return self.service.url
 
     def where(self) -> dict:
-        return placement_record("sandbox", self.index) | {
-            "url": self.service.url,
-            "server_pid": self.service._process.pid,
-        }
+        return placement_record("sandbox", self.index) | {"url": self.service.url, "server_pid": self.service.pid}
 
     def stop(self) -> None:
         self.service.stop()
@@ -41,11 +44,18 @@ class SandboxGroup:
         self.actors = actors
         self.urls: list[str] = ray.get([a.url.remote() for a in actors], timeout=timeout_s)
 
+    def resolve(self, index: int, timeout_s: float = 5.0) -> str | None:
+        """Replica `index`'s URL now (a restarted replica has a new one); None while it is not up."""
+        try:
+            return ray.get(self.actors[index].url.remote(), timeout=timeout_s)
+        except (ray.exceptions.RayError, TimeoutError):
+            return None
+
     def stop(self) -> None:
         for actor in self.actors:
             try:
                 ray.get(actor.stop.remote(), timeout=30)
             except (ray.exceptions.RayError, TimeoutError):
                 pass  # already gone: its service saw its parent go and stopped itself
-            ray.kill(actor)
+            ray.kill(actor, no_restart=True)
         self.actors = []

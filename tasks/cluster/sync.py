@@ -35,7 +35,7 @@ class WeightSync:
         self.trainer, self.engines, self.cfg = trainer, engines, cfg
         self.backend = sync_backend(cfg)
         self._layouts: list[BucketLayout] | None = None
-        self._group_ready = False
+        self._members: list[int] | None = None  # the engines in the sync group
         self.last = {"bytes": 0, "seconds": 0.0}
 
     def _get(self, refs: list) -> list:
@@ -46,33 +46,40 @@ class WeightSync:
                 f"weight sync ({self.backend}) took over cluster.sync_timeout_s = {self.cfg.sync_timeout_s:.0f} s"
             ) from None
 
-    def _join(self) -> None:
-        """The sync group: trainer rank 0 (which hosts its store) and the engines, once."""
+    def _join(self, engines: list[int]) -> None:
+        """A sync group of trainer rank 0 (which hosts its store) and these engines; made again
+        when an engine rejoins, since a gloo or NCCL group cannot take a new member."""
         host, port = ray.get(self.trainer.actors[0].rendezvous.remote())
-        group = SyncGroup(host, port, 1 + self.engines.count, self.backend, self.cfg.sync_timeout_s)
+        group = SyncGroup(host, port, 1 + len(engines), self.backend, self.cfg.sync_timeout_s)
+        actors = self.engines.actors
         self._get(
             [self.trainer.actors[0].join_sync_group.remote(group)]
-            + [engine.join_sync_group.remote(group, 1 + i) for i, engine in enumerate(self.engines.actors)]
+            + [actors[e].join_sync_group.remote(group, 1 + i) for i, e in enumerate(engines)]
         )
-        self._group_ready = True
+        self._members = engines
 
     def push(self) -> dict:
-        """The trainer's current weights into every engine; returns bytes sent and seconds."""
+        """The trainer's current weights into every engine that serves, and into those Ray has
+        restarted since the last push (which then serve again); returns bytes sent and seconds."""
         started = time.perf_counter()
-        ranks, engines = self.trainer.actors, self.engines.actors
+        self.engines.check()
+        back = self.engines.restarted()
+        engines = sorted([e for e, serving in enumerate(self.engines.serving) if serving] + back)
+        ranks, actors = self.trainer.actors, [self.engines.actors[e] for e in engines]
         if self._layouts is None:
             bucket_bytes = int(self.cfg.sync_bucket_mb * 2**20)
             self._layouts = self._get([rank.weight_layouts.remote(bucket_bytes) for rank in ranks])[0]
         if self.backend == "object_store":
             buckets = self._get([rank.put_weights.remote(self._layouts) for rank in ranks])[0]
-            self._get([engine.load_from_store.remote(buckets) for engine in engines])
+            self._get([engine.load_from_store.remote(buckets) for engine in actors])
             sent = sum(bucket_size(layout) for layout, _ in buckets)
         else:
-            if not self._group_ready:
-                self._join()
+            if self._members != engines:
+                self._join(engines)
             sent = self._get(
                 [rank.broadcast_weights.remote(self._layouts) for rank in ranks]
-                + [engine.receive_weights.remote(self._layouts) for engine in engines]
+                + [engine.receive_weights.remote(self._layouts) for engine in actors]
             )[0]
+        self.engines.rejoin(back)
         self.last = {"bytes": sent, "seconds": time.perf_counter() - started}
         return self.last

@@ -35,10 +35,14 @@ class TrainerActors(ActorResources):
 
 class EngineActors(ActorResources):
     count: int = Field(1, ge=1)  # vLLM engines; each holds engine.tensor_parallel_size GPUs
+    # Times Ray brings a dead engine back (on its node, or where its bundle is placed again when
+    # the node is gone); it serves again once the trainer's weights are pushed into it.
+    max_restarts: int = Field(3, ge=0)
 
 
 class SandboxActors(ActorResources):
     replicas: int = Field(1, ge=1)  # sandbox services; ignored when sandbox.urls names some
+    max_restarts: int = Field(3, ge=0)  # as for engines; a replica needs no state to rejoin
 
 
 class ClusterConfig(_Strict):
@@ -58,6 +62,10 @@ class ClusterConfig(_Strict):
     sync_bucket_mb: float = Field(64, gt=0)
     sync_timeout_s: float = Field(600, gt=0)  # a weight sync that takes longer fails the step
     ready_timeout_s: float = Field(600, gt=0)  # placement groups and actors must be up by then
+    # Times Prefect retries a failed attempt of the stages on the cluster (SFT, RL, evaluation)
+    # with new actors, going on from what finished: a dead trainer rank or a lost node costs a
+    # retry, not the run.
+    flow_retries: int = Field(1, ge=0)
     trainer: TrainerActors = TrainerActors(cpus=1.0)
     engines: EngineActors = EngineActors(cpus=0.5)
     sandbox: SandboxActors = SandboxActors(cpus=0.5)

@@ -117,6 +117,9 @@ def step_metrics(rollouts: Rollouts, batch: TrainingBatch, update: dict) -> dict
             "engine_idle_fraction": times.engine_idle_fraction,
             "engine_preemptions": times.preemptions,
             "kv_reserve_tokens": times.kv_reserve_tokens,
+            "requeued_rollouts": times.requeued_rollouts,
+            "engine_deaths": times.engine_deaths,
+            "sandbox_retries": times.sandbox_retries,
         }
     )
     metrics.update(update)

@@ -4,7 +4,9 @@ Every trajectory advances independently: when a turn finishes with a tool call, 
 to the sandbox at once and the engines keep serving the other trajectories; when the result
 arrives, the continuation is submitted as a new request on the exact token ids so far, to the
 same engine (the earlier turns are served from its prefix cache). Which engine serves a
-trajectory, and when it starts, is the scheduler's call (tasks/rollout/scheduler.py).
+trajectory, and when it starts, is the scheduler's call (tasks/rollout/scheduler.py). When an
+engine dies, the trajectories it held go back to the scheduler and continue on the others from
+their last finished turn: the turn in flight is generated again, nothing is duplicated.
 
 Invalid model output never raises: a malformed tool call is answered with the parse error as
 the tool response (recipe.md section 2), a missing answer or a runaway length ends the
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Protocol
 
@@ -86,11 +89,14 @@ class Engines(Protocol):
     cfg: EngineConfig
     count: int
     kv_tokens: list[int]
+    serving: list[bool]  # False for an engine that died (until it is back, with the weights)
     last_rollout_sizes: list[int]
 
     def add_request(self, engine: int, *request) -> None: ...  # request: as Engine.add_request
 
     def poll(self, timeout: float | None) -> list[tuple[int, FinishedTurn]]: ...
+
+    def failed(self) -> list[int]: ...  # engines found dead since the last call
 
     def stats(self) -> list[dict]: ...
 
@@ -98,11 +104,12 @@ class Engines(Protocol):
 class ToolRunner:
     """Runs the async sandbox client on a loop of its own, so the sync engine loop can poll."""
 
-    def __init__(self, urls: list[str]):
+    def __init__(self, urls: list[str], resolve: Callable[[int], str | None] | None = None):
+        """`resolve`: where replica i answers now (see SandboxClient)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tool-runner", daemon=True)
         self._thread.start()
-        self.client = SandboxClient(urls)
+        self.client = SandboxClient(urls, resolve=resolve)
 
     def submit(self, code: str, stdin: str) -> Future:
         return asyncio.run_coroutine_threadsafe(self.client.execute(code, stdin), self._loop)
@@ -135,6 +142,7 @@ def run_rollouts(
     started = time.perf_counter()
     times = RolloutTimes()
     busy_before = pool.stats()
+    retried_before = tools.client.retried
     tool_call_close = tokenizer.convert_tokens_to_ids(TOOL_CALL_CLOSE)
     max_model_len = pool.cfg.max_model_len
     trajectories: list[Trajectory] = []
@@ -149,6 +157,9 @@ def run_rollouts(
         cfg.kv_reserve, min(max_model_len, longest + spec.max_response_tokens), pool.last_rollout_sizes, cfg.kv_headroom
     )
     scheduler = make_scheduler(cfg.scheduler, pool.kv_tokens, times.kv_reserve_tokens, range(len(trajectories)))
+    for engine, serving in enumerate(pool.serving):
+        if not serving:
+            scheduler.drop_engine(engine)
     engine_of: dict[int, int] = {}
     generating: set[int] = set()
     pending_tools: dict[int, tuple[Future, float]] = {}
@@ -191,7 +202,8 @@ def run_rollouts(
         # Admit what the scheduler allows now: at the start, and as soon as rollouts end.
         for index, engine in scheduler.admit():
             engine_of[index] = engine
-            submit_turn(index)
+            if index not in pending_tools:  # a moved rollout waiting on a tool goes on when it answers
+                submit_turn(index)
         if generating:
             turns = pool.poll(timeout=0.005 if pending_tools else None)
         else:
@@ -216,6 +228,12 @@ def run_rollouts(
                 pending_tools[index] = (future, time.perf_counter())
             else:
                 pending_tools[index] = (tools.submit(action.code, action.stdin), time.perf_counter())
+        for engine in pool.failed():
+            times.engine_deaths += 1
+            for index in scheduler.drop_engine(engine):
+                if engine_of.pop(index, None) is not None:  # started there (not just dealt to it)
+                    times.requeued_rollouts += 1
+                generating.discard(index)
 
         for index in [i for i, (f, _) in pending_tools.items() if f.done()]:
             future, sent_at = pending_tools.pop(index)
@@ -226,12 +244,15 @@ def run_rollouts(
             times.tool_exec_s += result.wall_s
             text = tool_response_text(render_tool_result(result, spec.tool_response_chars))
             traj.extend(tokenizer(text, add_special_tokens=False)["input_ids"], text, trainable=False)
-            submit_turn(index)
+            if index in engine_of:  # else its engine died: it goes on once admitted elsewhere
+                submit_turn(index)
     progress.close()
     times.total_s = time.perf_counter() - started
     busy_after = pool.stats()
-    busy = sum(a["busy_s"] - b["busy_s"] for a, b in zip(busy_after, busy_before))
+    # (an engine back from a restart counts from zero again)
+    busy = sum(max(0.0, a["busy_s"] - b["busy_s"]) for a, b in zip(busy_after, busy_before))
     times.engine_idle_fraction = max(0.0, 1 - busy / (times.total_s * pool.count)) if times.total_s else 0.0
-    times.preemptions = sum(a["preemptions"] - b["preemptions"] for a, b in zip(busy_after, busy_before))
+    times.sandbox_retries = tools.client.retried - retried_before
+    times.preemptions = sum(max(0, a["preemptions"] - b["preemptions"]) for a, b in zip(busy_after, busy_before))
     pool.last_rollout_sizes = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
     return trajectories, times

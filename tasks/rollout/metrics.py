@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from tasks.rollout.trajectory import Trajectory
+from tasks.sandbox.status import ToolStatus
 
 
 def max_logprob_gap(a: list[list[float]], b: list[list[float]]) -> float:
@@ -21,6 +22,7 @@ def rollout_metrics(trajectories: list[Trajectory], rewards: list[float]) -> dic
         "trajectories": len(trajectories),
         "tool_calls": len(calls),
         "tool_errors": sum(c.status.is_failure for c in calls),
+        "tool_internal": sum(c.status is ToolStatus.INTERNAL for c in calls),  # outages, not the model's
         "tool_call_rate": sum(bool(t.tool_calls) for t in trajectories) / n,
         "tool_error_rate": sum(c.status.is_failure for c in calls) / max(len(calls), 1),
         "response_length_mean": sum(len(t.response_ids) for t in trajectories) / n,

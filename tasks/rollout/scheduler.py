@@ -3,8 +3,10 @@
 Pure policy over plain numbers (no vLLM, no I/O), so the same code drives the rollout loop over
 real engines and bench/scheduler_sim.py's paper-scale simulation. Both policies share one
 interface: `admit()` returns the (rollout, engine) pairs to start now, `finish(rollout)` says a
-rollout has ended (all its turns), which may free room for others. A rollout stays on one engine
-for all its turns, so each turn finds the previous turns in that engine's prefix cache.
+rollout has ended (all its turns), which may free room for others, and `drop_engine(engine)` takes
+an engine that died out of the pool and hands back the rollouts it held, to be admitted again on
+the others. A rollout stays on one engine for all its turns, so each turn finds the previous
+turns in that engine's prefix cache.
 
 - KV-aware (recipe.md section 6): engine e holds K_e = kv_tokens_e // reserve rollouts, with
   `reserve` the KV tokens set aside per rollout. Admit up to K_e per engine (the engine with the
@@ -76,19 +78,43 @@ class KVAwareScheduler:
     def finish(self, rollout: int) -> None:
         self.running[self.engine_of.pop(rollout)] -= 1
 
+    def drop_engine(self, engine: int) -> list[int]:
+        """No more rollouts for `engine`; the ones it held go first in the queue, in order."""
+        moved = sorted(r for r, e in self.engine_of.items() if e == engine)
+        for rollout in moved:
+            del self.engine_of[rollout]
+        self.slots[engine] = self.running[engine] = 0
+        self.waiting.extendleft(reversed(moved))
+        return moved
+
 
 class StaticScheduler:
     def __init__(self, n_engines: int, rollouts: Iterable[int]):
         if n_engines <= 0:
             raise ValueError(f"need at least one engine, got {n_engines}")
+        self.engines = list(range(n_engines))
         self.pending = [(rollout, i % n_engines) for i, rollout in enumerate(rollouts)]
+        self.engine_of: dict[int, int] = {}
 
     def admit(self) -> list[tuple[int, int]]:
         started, self.pending = self.pending, []
+        self.engine_of.update(started)
         return started
 
     def finish(self, rollout: int) -> None:
-        pass
+        self.engine_of.pop(rollout, None)
+
+    def drop_engine(self, engine: int) -> list[int]:
+        """The engine's rollouts, admitted or not, dealt round-robin over the engines left."""
+        self.engines.remove(engine)
+        moved = sorted(r for r, e in self.engine_of.items() if e == engine)
+        for rollout in moved:
+            del self.engine_of[rollout]
+        again = moved + [r for r, e in self.pending if e == engine]
+        self.pending = [(r, e) for r, e in self.pending if e != engine]
+        if self.engines:
+            self.pending += [(r, self.engines[i % len(self.engines)]) for i, r in enumerate(again)]
+        return again
 
 
 def make_scheduler(

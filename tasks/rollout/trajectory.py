@@ -72,6 +72,9 @@ class RolloutTimes:
     engine_idle_fraction: float = 0.0  # of the engines' time during the batch, spent idle
     preemptions: int = 0  # rollouts evicted from an engine's KV cache (recomputed later)
     kv_reserve_tokens: int = 0  # what the KV-aware scheduler set aside per rollout
+    requeued_rollouts: int = 0  # moved to another engine when theirs died
+    engine_deaths: int = 0  # engines found dead during the batch
+    sandbox_retries: int = 0  # tool-call attempts sent again after a replica failed to answer
 
 
 class Rollouts:

@@ -65,8 +65,9 @@ class Runtime:
         self.trainer = TrainerGroup(self.placement.ranks, cluster.sync_timeout_s)
         self.weights = WeightSync(self.trainer, self.engine, cluster)
         self.where = self.placement.where(cluster.ready_timeout_s)
+        self.trainer.where = [row for row in self.where if row["role"] == "trainer"]
         print(placement_table(self.where))
-        self.tools = ToolRunner(urls)
+        self.tools = ToolRunner(urls, self.sandbox.resolve if self.sandbox else None)
         self.verifier = Verifier()
 
     def __exit__(self, *exc) -> None:

@@ -8,12 +8,18 @@ HTTP error, is never run again, and a request that timed out is not retried beca
 may still be running it. When the retries run out the call comes back as
 `ToolStatus.INTERNAL` instead of raising, so one outage cannot crash a whole rollout batch.
 
+A replica that refused or dropped a connection is passed over for `down_s`; with `resolve`
+(replica index -> its URL now, blocking; None while it is not up) the client asks, off its event
+loop, where the replica came back (a restarted replica listens on a new port) and sends to it
+again from then on.
+
 The aiohttp session is bound to the event loop it was created in: use one client per loop.
 """
 
 import asyncio
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -33,6 +39,8 @@ class SandboxClient:
         timeout_s: float = 120.0,
         batch_size: int = 64,
         backoff_s: float = 0.1,
+        down_s: float = 2.0,
+        resolve: Callable[[int], str | None] | None = None,
     ) -> None:
         """`timeout_s` bounds one HTTP request, queueing on the server included; `batch_size` is
         the most calls sent in one /execute_batch request (the paper's workers batch up to 64)."""
@@ -43,6 +51,11 @@ class SandboxClient:
         self.timeout_s = timeout_s
         self.batch_size = batch_size
         self.backoff_s = backoff_s
+        self.down_s = down_s
+        self.resolve = resolve
+        self.retried = 0  # attempts beyond each call's first: what outages cost
+        self._down_until = [0.0] * len(self.urls)
+        self._finding: dict[int, asyncio.Task] = {}  # replica -> the task asking where it is now
         self._in_flight = [0] * len(self.urls)  # calls, not requests: a batch of 64 weighs 64
         self._turn = 0  # rotates ties so that equal replicas share the load
         self._session: aiohttp.ClientSession | None = None
@@ -54,6 +67,8 @@ class SandboxClient:
         await self.close()
 
     async def close(self) -> None:
+        for task in self._finding.values():
+            task.cancel()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -97,10 +112,30 @@ class SandboxClient:
             return [_unavailable(f"malformed answer from the sandbox: {exc!r}") for _ in calls]
 
     def _pick(self, failed: set[int]) -> int:
-        """The least-loaded replica, preferring ones that have not failed this call yet."""
-        n = len(self.urls)
+        """The least-loaded replica, preferring ones that have not failed this call yet and are
+        not marked down."""
+        n, now = len(self.urls), time.monotonic()
         self._turn = (self._turn + 1) % n
-        return min(range(n), key=lambda i: (i in failed, self._in_flight[i], (i - self._turn) % n))
+        return min(
+            range(n),
+            key=lambda i: (i in failed, self._down_until[i] > now, self._in_flight[i], (i - self._turn) % n),
+        )
+
+    def _mark_down(self, replica: int) -> None:
+        self._down_until[replica] = time.monotonic() + self.down_s
+        if self.resolve is not None and replica not in self._finding:
+            self._finding[replica] = asyncio.get_running_loop().create_task(self._find(replica))
+
+    async def _find(self, replica: int) -> None:
+        """Ask where the replica is until it answers: the same URL (it was busy, or never
+        left) or a restarted replica's new one."""
+        try:
+            while (url := await asyncio.get_running_loop().run_in_executor(None, self.resolve, replica)) is None:
+                await asyncio.sleep(self.down_s)
+            self.urls[replica] = url.rstrip("/")
+            self._down_until[replica] = 0.0
+        finally:
+            del self._finding[replica]
 
     async def _post(self, path: str, payload: dict[str, Any], n_calls: int) -> Any:
         session = self._get_session()
@@ -108,6 +143,7 @@ class SandboxClient:
         reason = ""
         for attempt in range(self.retries + 1):
             if attempt:
+                self.retried += 1
                 # Exponential backoff with jitter, so that callers turned away together do not
                 # come back together.
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
@@ -129,6 +165,7 @@ class SandboxClient:
             except aiohttp.ClientConnectionError as exc:
                 reason = f"{url}: {type(exc).__name__}: {exc}"
                 failed.add(replica)
+                self._mark_down(replica)
             except aiohttp.ClientError as exc:
                 raise _Unavailable(f"{url}: {type(exc).__name__}: {exc}") from None
             finally:

@@ -130,6 +130,14 @@ class SandboxService:
             raise RuntimeError("SandboxService has no port until start()")
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
     def start(self) -> "SandboxService":
         if self._process is not None:
             raise RuntimeError(f"SandboxService already running at {self.url}")

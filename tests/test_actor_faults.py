@@ -1,0 +1,168 @@
+"""Actors SIGKILLed while they work, on a run's local Ray (two engines, two sandbox replicas):
+
+- an engine in the middle of a rollout batch: the batch completes on the other engine with every
+  rollout once, the rollouts it held counted as re-queued; Ray restarts the actor, and the next
+  weight sync brings it back into the pool and the sync group with the trainer's current weights;
+- a sandbox replica with calls in flight: each call is answered once, from the other replica,
+  none as an outage; Ray restarts the replica and the client sends to its new address.
+
+About two and a half minutes on two cores."""
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+import urllib.request
+
+import pytest
+from transformers import AutoTokenizer
+
+from tasks.data.problems import generate_problems
+from tasks.rollout.agent import run_rollouts
+from tasks.rollout.metrics import max_logprob_gap
+from tasks.sandbox.status import ToolStatus
+from tasks.train.sample import Sample
+from tests.processes import wait_gone
+from tests.test_rollout_pool import SPEC, run_config, started_pids
+
+pytestmark = pytest.mark.slow
+
+SEED = 7
+
+
+def kill_after(ready, victims: list[int], rng: random.Random, killed: list) -> threading.Thread:
+    """SIGKILL the `victims` a seeded moment (0-0.5 s) after `ready()` returns."""
+
+    def kill() -> None:
+        ready()
+        time.sleep(rng.uniform(0, 0.5))
+        for victim in victims:
+            os.kill(victim, signal.SIGKILL)
+        killed.extend(victims)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_until(condition, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def pid_of(where: list[dict], role: str, index: int, key: str = "pid") -> int:
+    return next(row[key] for row in where if row["role"] == role and row["index"] == index)
+
+
+@pytest.fixture(scope="module")
+def runtime(model_dir, tmp_path_factory):
+    from tasks.runtime import Runtime
+
+    cfg = run_config(
+        model_dir,
+        2,
+        **{
+            "engine.kv_cache_gib": 0.01,
+            "rl.optim": {"lr": 1e-2, "warmup_steps": 0, "zero_stage": 1, "micro_batch_size": 4},
+            "cluster.sync_timeout_s": 120,
+            "cluster.sandbox.replicas": 2,
+            "cluster.sandbox.cpus": 0.25,
+            "sandbox.workers": 1,
+        },
+    )
+    with Runtime(cfg, model_dir, tmp_path_factory.mktemp("run")) as runtime:
+        runtime.started = started_pids(runtime.where)  # and the pids of restarted actors, as tests see them
+        yield runtime
+    assert not wait_gone(runtime.started)
+
+
+def test_a_dead_engine_costs_a_requeue_and_comes_back_with_the_weights(model_dir, runtime) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    problems = [(p.problem_id, p.question) for p in generate_problems(16, [1], seed=3)]
+    pool = runtime.engine
+    victim = pid_of(runtime.where, "engine", 1)
+    killed: list[int] = []
+    calls = pool.calls
+    killer = kill_after(lambda: wait_until(lambda: pool.calls > calls + 8), [victim], random.Random(SEED), killed)
+    trajectories, times = run_rollouts(pool, runtime.tools, tokenizer, problems, 8, SPEC)
+    killer.join(timeout=5)
+    assert killed == [victim], "the engine was not killed while the batch ran"
+    assert sorted((t.problem_id, t.sample) for t in trajectories) == sorted(
+        (pid, s) for pid, _ in problems for s in range(8)
+    )
+    assert all(t.stop_reason for t in trajectories)
+    assert times.requeued_rollouts > 0 and times.engine_deaths == 1 and pool.serving == [True, False]
+
+    # A step moves the trainer's weights; the restarted engine must get them, not its first ones.
+    samples = [
+        Sample(t.prompt_ids + t.response_ids, [0] * len(t.prompt_ids) + t.loss_mask, 1.0) for t in trajectories[:4]
+    ]
+    trainer = runtime.policy_trainer(total_steps=10, reset_optimizer=False)
+    trainer.rl_step(samples, runtime.cfg.rl.loss)
+    deadline = time.monotonic() + 180
+    while pool.restarts == 0:
+        assert time.monotonic() < deadline, "the dead engine never came back"
+        runtime.sync_weights([])
+        time.sleep(1)
+    assert pool.serving == [True, True]
+    trainer_view = trainer.token_logprobs(samples)
+    gaps = [max_logprob_gap(view, trainer_view) for view in pool.prompt_logprobs([s.token_ids for s in samples])]
+    assert len(gaps) == 2 and max(gaps) < 2e-3, gaps
+    again, times = run_rollouts(pool, runtime.tools, tokenizer, problems[:2], 4, SPEC)
+    assert len(again) == 8 and times.requeued_rollouts == 0 and times.engine_deaths == 0
+    runtime.started += started_pids(runtime.placement.where(30))
+
+
+def stats(url: str) -> dict:
+    with urllib.request.urlopen(url + "/stats", timeout=10) as response:
+        return json.load(response)
+
+
+def answered_once_each(runtime, victims: list[int], n: int = 300) -> None:
+    """n calls, the victims SIGKILLed while they run: every call answered, with its own output."""
+    program = "import time\ntime.sleep(0.02)\nprint({i})"
+    retried = runtime.tools.client.retried
+    futures = [runtime.tools.submit(program.format(i=i), "") for i in range(n)]
+    killed: list[int] = []
+    killer = kill_after(lambda: futures[20].result(), victims, random.Random(SEED), killed)
+    results = [f.result(timeout=300) for f in futures]
+    killer.join(timeout=5)
+    assert killed == victims
+    assert [r.status for r in results] == [ToolStatus.OK] * n, {r.status for r in results}
+    assert [r.stdout.strip() for r in results] == [str(i) for i in range(n)]  # each its own answer, once
+    assert runtime.tools.client.retried > retried
+
+
+def wait_for_replica(runtime, index: int, gone_url: str | None) -> None:
+    """Until replica `index` serves calls again (at a new URL, when `gone_url` is given)."""
+    client = runtime.tools.client
+    deadline = time.monotonic() + 120
+    while client._down_until[index] or client.urls[index] == gone_url:
+        assert time.monotonic() < deadline, "the replica never came back"
+        runtime.tools.submit("print(1)", "").result(timeout=60)
+        time.sleep(0.5)
+    done = stats(client.urls[index])["done"]
+    for i in range(20):
+        assert runtime.tools.submit(f"print({i})", "").result(timeout=120).status is ToolStatus.OK
+    assert stats(client.urls[index])["done"] > done  # it serves again
+
+
+def test_a_dead_sandbox_replica_costs_a_retry_never_an_answer(runtime) -> None:
+    """The replica's actor and its server both killed, as when their node goes: Ray restarts the
+    actor, which starts a server on a new port, and the client finds it."""
+    where = runtime.placement.where(30)
+    gone_url = runtime.tools.client.urls[0]
+    answered_once_each(runtime, [pid_of(where, "sandbox", 0), pid_of(where, "sandbox", 0, "server_pid")])
+    wait_for_replica(runtime, 0, gone_url)
+    runtime.started += started_pids(runtime.placement.where(30))
+
+
+def test_a_dead_sandbox_server_is_started_again_by_its_replica(runtime) -> None:
+    where = runtime.placement.where(30)
+    answered_once_each(runtime, [pid_of(where, "sandbox", 1, "server_pid")])
+    wait_for_replica(runtime, 1, None)
+    runtime.started += started_pids(runtime.placement.where(30))
