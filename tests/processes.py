@@ -27,3 +27,31 @@ def placed_pids(run_dir: Path) -> list[int]:
     placement the run recorded."""
     actors = json.loads((run_dir / "placement.json").read_text())["actors"]
     return [a["pid"] for a in actors] + [a["server_pid"] for a in actors if "server_pid" in a]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_busy(pid: int, timeout_s: float = 300.0, window_s: float = 0.2, share: float = 0.3) -> None:
+    """Return once the process spends at least `share` of a core over a `window_s` window (an
+    engine generating, a rank stepping); raise TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    before = cpu_seconds(pid)
+    while time.monotonic() < deadline:
+        time.sleep(window_s)
+        now = cpu_seconds(pid)
+        if now - before >= share * window_s:
+            return
+        before = now
+    raise TimeoutError(f"process {pid} never got busy within {timeout_s} s")
+
+
+def wait_for(path: Path, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.1)

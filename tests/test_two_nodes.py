@@ -3,23 +3,42 @@ and 2 engines, and a "CPU" node (cpu_node) holding 2 sandbox replicas. A short p
 stage of 2 steps) runs on them, and then, as the reference, on a one-node local Ray the run starts
 itself. Both on 127.0.0.1 only.
 
-Run: .venv/bin/python -m pytest tests/test_two_nodes.py -q   (about 5 minutes on 2 cores)
+The same pipeline runs again on the two nodes with a fault injected into the real processes at a
+seeded moment, each compared with the uninterrupted run (tables: rows, unique keys, group sizes;
+MLflow step histories):
+- a sandbox replica (actor and server) SIGKILLed as the RL stage begins, and an engine while it
+  generates step 0's rollouts: the stage goes on, the step rows count what it cost;
+- a trainer rank SIGKILLed in step 1's update: the attempt fails naming the rank, and Prefect's
+  retry goes on from step 0's checkpoint;
+- the CPU node removed after step 0: its sandbox replicas come back on the node that is left.
+
+Run: .venv/bin/python -m pytest tests/test_two_nodes.py -q   (about 10 minutes on 2 cores)
 """
 
+import asyncio
 import json
+import os
+import random
+import signal
+import threading
+import time
+from collections import Counter
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import ray
 from mlflow.tracking import MlflowClient
+from prefect import get_client
+from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 from prefect.testing.utilities import prefect_test_harness
 from ray.cluster_utils import Cluster
 
 from flows.pipeline import pipeline
 from tasks.tracking.mlflow_log import EXPERIMENT, tracking_uri
-from tests.processes import alive, placed_pids, wait_gone
+from tests.processes import alive, placed_pids, wait_busy, wait_for, wait_gone
 from tests.small_run import small_run, stage
+from tests.test_resume_pipeline import step_histories, table_parts
 
 pytestmark = pytest.mark.slow  # starts engines or trains
 
@@ -67,11 +86,80 @@ def tables(run_dir: Path) -> dict[str, tuple[object, int]]:
     return out
 
 
+def placed(run_dir: Path, role: str, index: int) -> dict:
+    wait_for(run_dir / "placement.json")
+    actors = json.loads((run_dir / "placement.json").read_text())["actors"]
+    return next(a for a in actors if (a["role"], a["index"]) == (role, index))
+
+
+def step_done(run_dir: Path, step: int) -> Path:
+    return run_dir / "steps" / "stage=stage1" / f"step={step}" / "part-0.parquet"
+
+
+def kill_sandbox_and_engine(run_dir: Path, rng: random.Random, log: list) -> None:
+    """Sandbox replica 0 (actor and server, as when its node goes) as the RL stage begins: step
+    0's first call to it is refused and retried; then engine 1 while it generates step 0's
+    rollouts."""
+    wait_for(run_dir / "state" / "eval-sft.json")
+    replica = placed(run_dir, "sandbox", 0)
+    for pid in (replica["pid"], replica["server_pid"]):
+        os.kill(pid, signal.SIGKILL)
+    log.append("sandbox 0")
+    engine = placed(run_dir, "engine", 1)["pid"]
+    wait_busy(engine)
+    time.sleep(rng.uniform(0, 0.3))
+    os.kill(engine, signal.SIGKILL)
+    log.append("engine 1")
+
+
+def kill_rank(run_dir: Path, rng: random.Random, log: list) -> None:
+    """Trainer rank 1 in step 1's update (once step 0 is recorded, the rank's next busy spell)."""
+    rank = placed(run_dir, "trainer", 1)["pid"]
+    wait_for(step_done(run_dir, 0))
+    wait_busy(rank)
+    time.sleep(rng.uniform(0, 0.3))
+    os.kill(rank, signal.SIGKILL)
+    log.append("trainer 1")
+
+
+def remove_node(cluster: Cluster, node, run_dir: Path, rng: random.Random, log: list) -> None:
+    wait_for(step_done(run_dir, 0))
+    time.sleep(rng.uniform(0, 1.0))
+    cluster.remove_node(node)
+    log.append("cpu node")
+
+
+def run_with(fault, run_id: str, on_cluster: dict, root: Path, *args) -> tuple[Path, list]:
+    """The pipeline, with `fault` (run_dir, rng, log, after *args) injected from a thread."""
+    log: list = []
+    run_dir = root / "runs" / run_id
+    injector = threading.Thread(target=fault, args=(*args, run_dir, random.Random(run_id), log), daemon=True)
+    injector.start()
+    with prefect_test_harness():
+        pipeline(config=str(CONFIG), run_id=run_id, overrides=on_cluster)
+        attempts = asyncio.run(cluster_attempts())
+    injector.join(timeout=10)
+    return run_dir, log + attempts
+
+
+async def cluster_attempts() -> list[str]:
+    """Why each attempt of the on-cluster subflow failed, as Prefect recorded it before retrying."""
+    async with get_client() as client:
+        runs = await client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["on-cluster"])))
+        return [
+            state.message
+            for run in runs
+            for state in await client.read_flow_run_states(run.id)
+            if state.name == "AwaitingRetry"
+        ]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("two-nodes")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"gpu_node": 4}})
-    cluster.add_node(num_cpus=2, resources={"cpu_node": 2})
+    cpu_node = cluster.add_node(num_cpus=2, resources={"cpu_node": 2})
+    faults = {}
     try:
         ray.init(address=cluster.address)
         nodes = {("gpu" if "gpu_node" in n["Resources"] else "cpu"): n for n in ray.nodes() if n["Alive"]}
@@ -89,6 +177,11 @@ def runs(tmp_path_factory):
             two = pipeline(config=str(CONFIG), run_id="two-nodes", overrides=on_cluster)
         assert not ray.is_initialized()  # the run disconnected; the cluster is still up
         assert all(alive(pid) for pid in ray_pids)
+        faults["actors"] = run_with(kill_sandbox_and_engine, "actors-die", on_cluster, root)
+        faults["rank"] = run_with(kill_rank, "rank-dies", on_cluster, root)
+        # Sandboxes that may live on any node: the ones on the CPU node can move when it goes.
+        movable = {**on_cluster, "cluster.sandbox.resources": {}}
+        faults["node"] = run_with(remove_node, "node-lost", movable, root, cluster, cpu_node)
     finally:
         cluster.shutdown()
     with prefect_test_harness():
@@ -100,6 +193,7 @@ def runs(tmp_path_factory):
         "node_ids": node_ids,
         "addresses": addresses,
         "ray_pids": ray_pids,
+        "faults": faults,
     }
 
 
@@ -140,6 +234,56 @@ def test_tables_match_a_one_node_run_of_the_same_config(runs):
     assert {r["metric"] for r in rows(runs["two"], "steps")} == {r["metric"] for r in rows(runs["one"], "steps")}
 
 
+def group_sizes(run_dir: Path) -> Counter:
+    return Counter((r["stage"], r["step"], r["problem_id"]) for r in rows(run_dir, "rollouts"))
+
+
+def step_metric(run_dir: Path, metric: str) -> dict[int, float]:
+    return {r["step"]: r["value"] for r in rows(run_dir, "steps") if r["metric"] == metric}
+
+
+def assert_same_as_uninterrupted(runs, run_dir: Path) -> None:
+    reference = runs["two"]
+    assert table_parts(run_dir, "rollouts") == table_parts(reference, "rollouts")  # rows = unique keys per part
+    assert all(rows == keys for rows, keys in table_parts(run_dir, "rollouts").values())
+    assert group_sizes(run_dir) == group_sizes(reference)
+    assert table_parts(run_dir, "steps").keys() == table_parts(reference, "steps").keys()
+    assert all(rows == keys for rows, keys in table_parts(run_dir, "steps").values())
+    evaluations = sorted(p.name for p in (run_dir / "evaluations").rglob("*.parquet"))
+    assert evaluations == sorted(p.name for p in (reference / "evaluations").rglob("*.parquet"))
+    output = reference.parents[1]
+    assert step_histories(output, run_dir.name) == step_histories(output, reference.name)
+
+
+def test_a_dead_engine_and_sandbox_replica_cost_requeues_and_retries_not_the_stage(runs):
+    run_dir, log = runs["faults"]["actors"]
+    assert log == ["sandbox 0", "engine 1"]  # both injected, and no attempt failed
+    assert_same_as_uninterrupted(runs, run_dir)
+    assert step_metric(run_dir, "engine_deaths") == {0: 1.0, 1: 0.0}
+    assert step_metric(run_dir, "requeued_rollouts")[0] > 0
+    assert step_metric(run_dir, "sandbox_retries")[0] > 0
+    assert set(step_metric(run_dir, "tool_internal").values()) == {0.0}  # an outage is never the model's
+
+
+def test_a_dead_trainer_rank_costs_a_retry_from_the_last_checkpoint(runs):
+    run_dir, log = runs["faults"]["rank"]
+    assert log[0] == "trainer 1" and len(log) == 2, log  # one failed attempt, then a retry that finished
+    assert "RankDied: trainer rank 1 on node " in log[1] and "(127.0.0.1)" in log[1], log[1]
+    assert_same_as_uninterrupted(runs, run_dir)
+
+
+def test_a_lost_node_costs_its_actors_a_move(runs):
+    run_dir, log = runs["faults"]["node"]
+    assert log == ["cpu node"]
+    assert_same_as_uninterrupted(runs, run_dir)
+    actors = json.loads((run_dir / "placement.json").read_text())["actors"]
+    moved = [a["index"] for a in actors if a["role"] == "sandbox" and a["node_id"] == runs["node_ids"]["cpu"]]
+    assert moved, actors  # a replica was on the node that went
+    for index in moved:  # and came back on the node that is left
+        assert (run_dir / "logs" / f"sandbox-{index}.log").read_text().count("sandbox on http") == 2
+
+
 def test_nothing_it_started_is_left_running(runs):
-    pids = placed_pids(runs["two"]) + placed_pids(runs["one"]) + runs["ray_pids"]
+    runs_dirs = [runs["two"], runs["one"]] + [run_dir for run_dir, _ in runs["faults"].values()]
+    pids = [pid for run_dir in runs_dirs for pid in placed_pids(run_dir)] + runs["ray_pids"]
     assert wait_gone(pids) == []

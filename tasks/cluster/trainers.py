@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from pathlib import Path
 
 import ray
@@ -125,21 +126,52 @@ class TrainerRank:
         return [(layout, ray.put(pack_bucket(weights, layout, "cpu").numpy())) for layout in layouts]
 
 
+class RankDied(RuntimeError):
+    """A trainer rank's actor is gone: the step cannot finish (its peers wait on it in a
+    collective), so the attempt fails; a retry starts new ranks from the last checkpoint."""
+
+
 class TrainerGroup:
     """The rank actors, with the trainer's interface: a call runs on every rank."""
 
     def __init__(self, actors: list, timeout_s: float):
         self.actors, self.timeout_s = actors, timeout_s
+        self.where: list[dict] = []  # each rank's node, as placed (for naming a rank that died)
 
     @property
     def world_size(self) -> int:
         return len(self.actors)
 
+    def _get(self, refs: list) -> list:
+        """Every rank's result; the first rank whose actor dies fails the call at once, named
+        with its node and cause, instead of its peers hanging in a collective until a timeout."""
+        waiting, deadline = dict(zip(refs, range(len(refs)))), time.monotonic() + self.timeout_s
+        while waiting:
+            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError(
+                    f"trainer ranks {sorted(waiting.values())} gave no answer within {self.timeout_s:.0f} s"
+                )
+            rank = waiting.pop(ready[0])
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError as died:
+                place = next((w for w in self.where if w["index"] == rank), None)
+                node = (
+                    f"node {place['node_id'][:12]} ({place['node_ip']}), pid {place['pid']}"
+                    if place
+                    else "unknown node"
+                )
+                lines = [line.strip() for line in str(died).splitlines() if line.strip()]
+                cause = next((line for line in lines if "exit detail" in line.lower()), lines[0])[:300]
+                raise RankDied(f"trainer rank {rank} on {node} died: {cause}") from None
+        return ray.get(refs)
+
     def _all(self, method: str, *args) -> list:
-        return ray.get([getattr(actor, method).remote(*args) for actor in self.actors], timeout=self.timeout_s)
+        return self._get([getattr(actor, method).remote(*args) for actor in self.actors])
 
     def start(self, model_dir: Path, optim: OptimConfig, total_steps: int, dtype: str, seed: int, threads: int):
-        master = ray.get(self.actors[0].rendezvous.remote(), timeout=self.timeout_s)
+        (master,) = self._get([self.actors[0].rendezvous.remote()])
         self._all("start", master, str(model_dir), optim.model_dump(), total_steps, dtype, seed, threads)
         return self
 
@@ -149,8 +181,7 @@ class TrainerGroup:
         return [ordered[rank :: self.world_size] for rank in range(self.world_size)]
 
     def _each(self, method: str, shares: list, *args) -> list:
-        refs = [getattr(a, method).remote(share, *args) for a, share in zip(self.actors, shares)]
-        return ray.get(refs, timeout=self.timeout_s)
+        return self._get([getattr(a, method).remote(share, *args) for a, share in zip(self.actors, shares)])
 
     def _step(self, method: str, samples: list[Sample], *args) -> dict:
         """One update on the global batch; with several ranks holding full weights, also the
