@@ -4,7 +4,8 @@
 
 Reward and pass@1 by step, the tool-error share of all trajectories against kept positive ones
 (GRPO-RoC's signature: with RoC the kept positives' share falls), response length and turns,
-tool latency, and a per-problem drill-down with the trajectory text.
+tool latency, what faults cost each step (cluster health), and a per-problem drill-down with the
+trajectory text.
 """
 
 from __future__ import annotations
@@ -79,6 +80,16 @@ latency = db.execute(
     q,
 ).df()
 cols[2].line_chart(latency, x="step", y="mean tool latency s")
+
+st.header("Cluster health")
+st.caption(
+    "Per RL step: engines found dead and the rollouts moved to the others, engines back after a "
+    "restart, sandbox calls retried after a replica failed, calls answered `internal` (an outage)."
+)
+health = db.execute(
+    "SELECT stage, step, * EXCLUDE (run_id, stage, step) FROM health WHERE run_id = $run ORDER BY stage, step", q
+).df()
+st.dataframe(health, use_container_width=True, hide_index=True)
 
 st.header("Problem drill-down")
 problems = [

@@ -1,5 +1,5 @@
 """DuckDB views over a run's Parquet tables (dashboards/views.sql): rollouts, tool_calls, steps,
-evaluations.
+evaluations, health.
 
     from dashboards.views import connect
     db = connect("outputs/runs/<run_id>")          # or "outputs/runs/*" for all runs

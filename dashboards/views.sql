@@ -14,3 +14,15 @@ CREATE OR REPLACE VIEW tool_calls AS
 CREATE OR REPLACE VIEW steps AS SELECT * FROM {steps};
 -- One row per (run, checkpoint, benchmark): avg@k pass@1 and tool use.
 CREATE OR REPLACE VIEW evaluations AS SELECT * FROM {evaluations};
+-- One row per (run, stage, step): what faults cost the step. Engines found dead and the rollouts
+-- moved off them, engines back in the pool after a restart, sandbox calls sent again after a
+-- replica failed to answer, and calls answered `internal` (an outage, never counted against
+-- the model).
+CREATE OR REPLACE VIEW health AS
+    SELECT run_id, stage, step,
+           max(value) FILTER (metric = 'engine_deaths') AS engine_deaths,
+           max(value) FILTER (metric = 'requeued_rollouts') AS requeued_rollouts,
+           max(value) FILTER (metric = 'engine_restarts') AS engine_restarts,
+           max(value) FILTER (metric = 'sandbox_retries') AS sandbox_retries,
+           max(value) FILTER (metric = 'tool_internal') AS tool_internal
+    FROM steps GROUP BY ALL;

@@ -141,6 +141,8 @@ def test_readme_query_runs_on_the_views(run):
     assert len(rows) == 11 and all(row[0] == "e2e" and row[3] in (6, 12, 32) for row in rows)
     metrics = connect(result["run_dir"]).sql("SELECT DISTINCT metric FROM steps").fetchall()
     assert ("reward_mean",) in metrics
+    health = connect(result["run_dir"]).sql("SELECT * EXCLUDE (run_id, stage, step) FROM health").fetchall()
+    assert len(health) == 3 and {value for row in health for value in row} == {0.0}  # no faults, none counted
 
 
 def test_mlflow_has_nested_stage_runs_with_step_metrics(run):
