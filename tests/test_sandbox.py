@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tasks.sandbox.client import SandboxClient
+from tasks.sandbox.client import SandboxClient, SandboxOutage
 from tasks.sandbox.executor import TRUNCATION_MARKER, Limits
 from tasks.sandbox.server import SandboxService, _free_port
 from tasks.sandbox.status import ToolResult, ToolStatus
@@ -207,6 +207,25 @@ def test_dead_url_gives_internal_without_raising() -> None:
     assert [r.status for r in results] == [ToolStatus.INTERNAL] * 2
     assert all(r.stderr.startswith("sandbox unavailable:") for r in results)
     assert not results[0].status.is_failure
+
+
+def test_no_replica_answering_for_outage_s_stops_the_caller() -> None:
+    """A short outage comes back as INTERNAL; one longer than outage_s raises, so the attempt stops."""
+    dead = [f"http://127.0.0.1:{_free_port('127.0.0.1')}" for _ in range(2)]
+
+    async def go() -> tuple[ToolResult, BaseException | None]:
+        async with SandboxClient(dead, retries=1, backoff_s=0.01, outage_s=0.3) as client:
+            first = await client.execute("print(1)")
+            await asyncio.sleep(0.4)
+            try:
+                await client.execute("print(2)")
+            except SandboxOutage as outage:
+                return first, outage
+            return first, None
+
+    first, outage = asyncio.run(go())
+    assert first.status is ToolStatus.INTERNAL
+    assert outage is not None and "no sandbox replica has answered for over 0 s" in str(outage)
 
 
 def test_client_fails_over_from_a_dead_replica(service: SandboxService) -> None:

@@ -120,6 +120,7 @@ def test_kv_aware_sends_a_dead_engines_rollouts_to_the_others_first() -> None:
     assert scheduler.admit() == [(0, 1)]
     scheduler.finish(3)
     assert scheduler.admit() == [(4, 1)]
+    assert scheduler.drop_engine(0) == []
 
 
 def test_static_deals_a_dead_engines_rollouts_over_the_rest() -> None:
@@ -130,3 +131,4 @@ def test_static_deals_a_dead_engines_rollouts_over_the_rest() -> None:
     assert scheduler.admit() == [(3, 1)]
     assert len(admitted) == 6 and scheduler.drop_engine(1) == [1, 3, 4]
     assert scheduler.admit() == [(1, 2), (3, 2), (4, 2)]
+    assert scheduler.drop_engine(1) == []  # dropped once: what a second report of it finds

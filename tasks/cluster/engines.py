@@ -305,9 +305,10 @@ class EngineGroup:
 
     def stop(self) -> None:
         self._takes = {}
-        for actor in self.actors:
+        for actor, serving in zip(self.actors, self.serving):
             try:
-                ray.get(actor.stop.remote(), timeout=60)
+                if serving:  # (a dead one may be restarting: a call would wait for it)
+                    ray.get(actor.stop.remote(), timeout=60)
             except (ray.exceptions.RayError, TimeoutError):
                 pass  # already gone: killed below either way
             ray.kill(actor, no_restart=True)

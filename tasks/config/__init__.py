@@ -195,6 +195,9 @@ class SandboxConfig(_Strict):
     timeout_s: float = 4.0  # release default
     memory_mb: int = 256  # release default
     output_bytes: int = 1000  # release truncates at the service to 1000 characters
+    # No replica answering for this long fails the attempt (their node is gone for good) rather
+    # than train on calls that all came back `internal`.
+    outage_s: float = Field(300.0, gt=0)
 
 
 class RolloutConfig(_Strict):

@@ -104,12 +104,12 @@ class Engines(Protocol):
 class ToolRunner:
     """Runs the async sandbox client on a loop of its own, so the sync engine loop can poll."""
 
-    def __init__(self, urls: list[str], resolve: Callable[[int], str | None] | None = None):
-        """`resolve`: where replica i answers now (see SandboxClient)."""
+    def __init__(self, urls: list[str], resolve: Callable[[int], str | None] | None = None, outage_s: float = 300.0):
+        """`resolve` and `outage_s`: as SandboxClient takes them."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tool-runner", daemon=True)
         self._thread.start()
-        self.client = SandboxClient(urls, resolve=resolve)
+        self.client = SandboxClient(urls, resolve=resolve, outage_s=outage_s)
 
     def submit(self, code: str, stdin: str) -> Future:
         return asyncio.run_coroutine_threadsafe(self.client.execute(code, stdin), self._loop)

@@ -106,6 +106,8 @@ class StaticScheduler:
 
     def drop_engine(self, engine: int) -> list[int]:
         """The engine's rollouts, admitted or not, dealt round-robin over the engines left."""
+        if engine not in self.engines:
+            return []
         self.engines.remove(engine)
         moved = sorted(r for r, e in self.engine_of.items() if e == engine)
         for rollout in moved:

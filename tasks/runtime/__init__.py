@@ -67,7 +67,7 @@ class Runtime:
         self.where = self.placement.where(cluster.ready_timeout_s)
         self.trainer.where = [row for row in self.where if row["role"] == "trainer"]
         print(placement_table(self.where))
-        self.tools = ToolRunner(urls, self.sandbox.resolve if self.sandbox else None)
+        self.tools = ToolRunner(urls, self.sandbox.resolve if self.sandbox else None, self.cfg.sandbox.outage_s)
         self.verifier = Verifier()
 
     def __exit__(self, *exc) -> None:

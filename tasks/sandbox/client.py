@@ -11,7 +11,10 @@ may still be running it. When the retries run out the call comes back as
 A replica that refused or dropped a connection is passed over for `down_s`; with `resolve`
 (replica index -> its URL now, blocking; None while it is not up) the client asks, off its event
 loop, where the replica came back (a restarted replica listens on a new port) and sends to it
-again from then on.
+again from then on. When no replica has answered for `outage_s`, a call raises
+`SandboxOutage` instead: the replicas are not coming back where they were (their node is gone
+and nothing else can hold them), and the attempt should stop with that said, not train on calls
+that all came back `internal`.
 
 The aiohttp session is bound to the event loop it was created in: use one client per loop.
 """
@@ -31,6 +34,10 @@ class _Unavailable(Exception):
     """The call got no usable answer; the message says why."""
 
 
+class SandboxOutage(RuntimeError):
+    """No replica has answered for longer than the client's `outage_s`."""
+
+
 class SandboxClient:
     def __init__(
         self,
@@ -41,6 +48,7 @@ class SandboxClient:
         backoff_s: float = 0.1,
         down_s: float = 2.0,
         resolve: Callable[[int], str | None] | None = None,
+        outage_s: float = 300.0,
     ) -> None:
         """`timeout_s` bounds one HTTP request, queueing on the server included; `batch_size` is
         the most calls sent in one /execute_batch request (the paper's workers batch up to 64)."""
@@ -53,6 +61,8 @@ class SandboxClient:
         self.backoff_s = backoff_s
         self.down_s = down_s
         self.resolve = resolve
+        self.outage_s = outage_s
+        self._failing_since: list[float | None] = [None] * len(self.urls)  # first failure since it last answered
         self.retried = 0  # attempts beyond each call's first: what outages cost
         self._down_until = [0.0] * len(self.urls)
         self._finding: dict[int, asyncio.Task] = {}  # replica -> the task asking where it is now
@@ -122,7 +132,15 @@ class SandboxClient:
         )
 
     def _mark_down(self, replica: int) -> None:
-        self._down_until[replica] = time.monotonic() + self.down_s
+        now = time.monotonic()
+        self._down_until[replica] = now + self.down_s
+        if self._failing_since[replica] is None:
+            self._failing_since[replica] = now
+        if all(since is not None and now - since > self.outage_s for since in self._failing_since):
+            raise SandboxOutage(
+                f"no sandbox replica has answered for over {self.outage_s:.0f} s ({', '.join(self.urls)}): "
+                "they are not coming back where they were"
+            )
         if self.resolve is not None and replica not in self._finding:
             self._finding[replica] = asyncio.get_running_loop().create_task(self._find(replica))
 
@@ -159,6 +177,7 @@ class SandboxClient:
                     if response.status != 200:
                         detail = (await response.text())[:500]
                         raise _Unavailable(f"{url} answered HTTP {response.status}: {detail}")
+                    self._failing_since[replica] = None
                     return await response.json()
             except TimeoutError:
                 raise _Unavailable(f"{url} gave no answer within {self.timeout_s} s") from None
