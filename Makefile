@@ -35,7 +35,7 @@ test: setup
 
 # Day to day: the suite without the end-to-end tests that start engines and train.
 test-fast: setup
-	$(VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -m "not slow and not soak" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -25,7 +25,7 @@ def build_base_model(cfg: RunConfig, ctx: RunContext, train_path: Path, stage_ru
         cfg,
         load_problems(train_path),
         ctx.policy_dir("base"),
-        lambda metrics, step: tracker.log_metrics(stage_run_id, metrics, step),
+        tracker.step_logger(stage_run_id, "pretrain/loss"),
     )
 
 
@@ -41,6 +41,6 @@ def train_sft(cfg: RunConfig, ctx: RunContext, runtime: Runtime, base_dir: Path,
         examples,
         base_dir,
         ctx.policy_dir("sft"),
-        lambda metrics, step: tracker.log_metrics(stage_run_id, metrics, step),
+        tracker.step_logger(stage_run_id, "sft/loss"),
         runtime.supervised_trainer,
     )

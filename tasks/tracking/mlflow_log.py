@@ -13,6 +13,7 @@ import json
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus
@@ -81,6 +82,18 @@ class Tracker:
         """A step's metrics, unless the run has them already (a resumed step that reached MLflow)."""
         if step not in self.metric_steps(run_id, "reward_mean"):
             self.log_metrics(run_id, metrics, step)
+
+    def step_logger(self, run_id: str, marker: str) -> Callable[[dict[str, float], int], None]:
+        """A `log(metrics, step)` that skips the steps an earlier attempt of the run logged (a
+        rerun after a kill trains them again): each step once in MLflow's history, the metric
+        `marker` telling which are there."""
+        logged = self.metric_steps(run_id, marker)
+
+        def log(metrics: dict[str, float], step: int) -> None:
+            if step not in logged:
+                self.log_metrics(run_id, metrics, step)
+
+        return log
 
     def log_artifact(self, run_id: str, path: str | Path, folder: str | None = None) -> None:
         self.client.log_artifact(run_id, str(path), folder)
