@@ -97,9 +97,8 @@ def step_done(run_dir: Path, step: int) -> Path:
 
 
 def kill_sandbox_and_engine(run_dir: Path, rng: random.Random, log: list) -> None:
-    """Sandbox replica 0 (actor and server, as when its node goes) as the RL stage begins: step
-    0's first call to it is refused and retried; then engine 1 while it generates step 0's
-    rollouts."""
+    """Sandbox replica 0 (actor and server, as when its node goes) as the RL stage begins, then
+    engine 1 while it generates step 0's rollouts."""
     wait_for(run_dir / "state" / "eval-sft.json")
     replica = placed(run_dir, "sandbox", 0)
     for pid in (replica["pid"], replica["server_pid"]):
@@ -261,7 +260,9 @@ def test_a_dead_engine_and_sandbox_replica_cost_requeues_and_retries_not_the_sta
     assert_same_as_uninterrupted(runs, run_dir)
     assert step_metric(run_dir, "engine_deaths") == {0: 1.0, 1: 0.0}
     assert step_metric(run_dir, "requeued_rollouts")[0] > 0
-    assert step_metric(run_dir, "sandbox_retries")[0] > 0
+    # Ray restarted the replica (whether a call reached it while it was gone depends on what the
+    # policy sends: tests/test_actor_faults.py kills one with calls in flight).
+    assert (run_dir / "logs" / "sandbox-0.log").read_text().count("sandbox on http") == 2
     assert set(step_metric(run_dir, "tool_internal").values()) == {0.0}  # an outage is never the model's
 
 
