@@ -2,17 +2,17 @@
 the finished run's tables and MLflow step histories equal an uninterrupted run's, and nothing
 any killed attempt started (its local Ray, actors, sandbox servers) is left running.
 
-The kill points are drawn (seeded) from the run's phases in order: SFT, the evaluations, and in
-each RL step the rollout, the update and the weight sync. A phase is seen from outside, as a
-user would: the Prefect server this test starts on 127.0.0.1 says which task is running, in
-which flow (and for an RL step, which stage and step); the kill comes a seeded moment after.
+The kill points are drawn (seeded) from the run's phases in order: SFT, two of the three
+evaluations, and seven of the RL steps' rollouts, updates and weight syncs. A phase is seen from outside, as an
+operator would: the file the phase before it writes (a stage's record, a step's rollouts part, a
+step's checkpoint), written by this attempt, and then the process the phase keeps busy (the
+engine generates, the trainer rank steps). The kill comes a seeded moment after.
 
-Not in `make test` (marker `soak`): about 15 minutes on two cores.
+Not in `make test` (marker `soak`): about 10 minutes on two cores.
 
     .venv/bin/python -m pytest -m soak tests/test_driver_kill.py -q
 """
 
-import asyncio
 import json
 import os
 import random
@@ -20,15 +20,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from tasks.tracking.mlflow_log import EXPERIMENT, tracking_uri
-from tests.browser import _free_port
-from tests.processes import placed_pids, wait_gone
+from tests.processes import placed_pids, wait_busy, wait_gone
 from tests.small_run import small_run, stage
 from tests.test_resume_pipeline import table_parts
 
@@ -37,24 +35,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.soak]
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 11
 STAGES = [stage("stage1", 3), stage("hard", 1, hard_only=True, difficulty_attempts=2)]
-STEP_TASKS = ("roll_out", "update_policy", "sync_weights")
-# The phases of the run in order: (flow, task, what tells one apart). An RL step's are
-# rollout, update, sync.
+STEP_PHASES = ("rollout", "update", "sync")
+# The phases of the run in order.
 PHASES = (
-    [("sft", "train_sft", None), ("evaluate", "roll_out", "sft")]
-    + [
-        ("rl-step", task, ("stage1", step))
-        for step in range(3)
-        for task in ("roll_out", "update_policy", "sync_weights")
-    ]
-    + [("evaluate", "roll_out", "stage1")]
-    + [("rl-step", task, ("hard", 0)) for task in STEP_TASKS]
-    + [("evaluate", "roll_out", "hard")]
+    [("sft",), ("eval", "sft")]
+    + [(phase, "stage1", step) for step in range(3) for phase in STEP_PHASES]
+    + [("eval", "stage1")]
+    + [(phase, "hard", 0) for phase in STEP_PHASES]
+    + [("eval", "hard")]
 )
+# How far into a phase the kill may come, seconds: SFT lasts seconds, an RL phase a fraction of one.
+REACH = {"sft": 3.0, "eval": 0.2, "rollout": 0.2, "update": 0.3, "sync": 0.05}
 
 
 def command(output_dir: Path, run_id: str) -> list[str]:
-    overrides = {**small_run(STAGES), "output_dir": str(output_dir)}
+    # The small run's policy solves nothing yet: groups without signal still make an update (of
+    # zero advantages), so that every step trains, checkpoints and syncs.
+    overrides = {**small_run(STAGES), "output_dir": str(output_dir), "rl.roc.drop_zero_signal": False}
     sets = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={json.dumps(value)}")]
     config = str(ROOT / "configs" / "tiny.yaml")
     return [sys.executable, "-m", "flows.cli", "run", "--config", config, "--run-id", run_id, *sets]
@@ -78,74 +75,54 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-class PrefectServer:
-    """A Prefect server of the test's own on 127.0.0.1, stopped by its pid."""
-
-    def __init__(self, home: Path):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}/api"
-        env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-        command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1"]
-        self.process = subprocess.Popen(
-            [*command, "--port", str(self.port)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2):
-                    return
-            except OSError:
-                assert self.process.poll() is None and time.monotonic() < deadline, "no Prefect server"
-                time.sleep(0.5)
-
-    def stop(self) -> None:
-        os.killpg(self.process.pid, signal.SIGTERM)
-        self.process.wait(timeout=30)
+def written_since(path: Path, since: float, victim: subprocess.Popen, content: str | None = None) -> None:
+    """Until this attempt (started at `since`) has written `path` (with `content`, if given)."""
+    deadline = time.monotonic() + 900
+    while True:
+        try:
+            if path.stat().st_mtime >= since and (content is None or path.read_text().strip() == content):
+                return
+        except OSError:
+            pass
+        assert victim.poll() is None, f"the run ended before it wrote {path}"
+        assert time.monotonic() < deadline, f"{path} never came"
+        time.sleep(0.02)
 
 
-async def running_phases(client, names: dict) -> set[tuple]:
-    """The phases (as in PHASES) whose task is running now."""
-    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterState, TaskRunFilterStateType
-    from prefect.client.schemas.objects import StateType
-
-    running = TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.RUNNING])))
-    phases = set()
-    for task_run in await client.read_task_runs(task_run_filter=running):
-        if task_run.flow_run_id not in names:
-            flow_run = await client.read_flow_run(task_run.flow_run_id)
-            flow = (await client.read_flow(flow_run.flow_id)).name
-            p = flow_run.parameters
-            detail = {"evaluate": p.get("label"), "rl-step": (p.get("stage", {}).get("name"), p.get("step"))}
-            names[task_run.flow_run_id] = (flow, detail.get(flow))
-        flow, detail = names[task_run.flow_run_id]
-        phases.add((flow, task_run.name.rsplit("-", 1)[0], detail))
-    return phases
+def actor_pid(run_dir: Path, since: float, victim: subprocess.Popen, role: str) -> int:
+    """Index 0 of the role, as this attempt placed it."""
+    written_since(run_dir / "placement.json", since, victim)
+    actors = json.loads((run_dir / "placement.json").read_text())["actors"]
+    return next(a["pid"] for a in actors if (a["role"], a["index"]) == (role, 0))
 
 
-async def kill_at(victim: subprocess.Popen, target: tuple, delay_s: float, api: str) -> tuple[set, list[int]]:
-    """SIGKILL the driver (its process group) `delay_s` after the target phase is seen running;
-    returns the phases running just before the kill and every process the driver had started."""
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    names: dict = {}
-    with temporary_settings({PREFECT_API_URL: api}):
-        async with get_client() as client:
-            deadline = time.monotonic() + 900
-            while target not in await running_phases(client, names):
-                assert victim.poll() is None, "the run ended before the kill point"
-                assert time.monotonic() < deadline, f"never reached {target}"
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(delay_s)
-            running = await running_phases(client, names)
-    pids = descendants(victim.pid)
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
-    return running, pids
+def reach(phase: tuple, run_dir: Path, since: float, victim: subprocess.Popen) -> None:
+    """Return once the attempt is in `phase`."""
+    kind, *where = phase
+    state = run_dir / "state"
+    if kind == "sft":  # the ranks start stepping once every actor is placed
+        wait_busy(actor_pid(run_dir, since, victim, "trainer"))
+    elif kind == "eval":  # after the stage it evaluates
+        written_since(state / ("sft.json" if where[0] == "sft" else f"rl-{where[0]}.json"), since, victim)
+        wait_busy(actor_pid(run_dir, since, victim, "engine"))
+    else:
+        stage_name, step = where
+        if kind == "rollout":
+            before = (
+                run_dir / "steps" / f"stage={stage_name}" / f"step={step - 1}" / "part-0.parquet"
+                if step
+                else state / ("eval-sft.json" if stage_name == "stage1" else f"difficulty-{stage_name}.json")
+            )
+            written_since(before, since, victim)
+            wait_busy(actor_pid(run_dir, since, victim, "engine"))
+        elif kind == "update":
+            written_since(
+                run_dir / "rollouts" / f"stage={stage_name}" / f"step={step}" / "part-0.parquet", since, victim
+            )
+            wait_busy(actor_pid(run_dir, since, victim, "trainer"))
+        else:  # sync: right after the step's checkpoint
+            latest = run_dir / "checkpoints" / stage_name / "latest"
+            written_since(latest, since, victim, f"step-{step:05d}")
 
 
 def mlflow_histories(output_dir: Path, run_id: str) -> dict[tuple[str, str], list[int]]:
@@ -169,14 +146,16 @@ def test_a_run_killed_at_ten_points_resumes_to_the_uninterrupted_tables(tmp_path
         done = subprocess.run(command(reference, "run"), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     assert done.returncode == 0, (tmp_path / "reference.log").read_text()[-4000:]
 
+    # SFT, two of the three evaluations, seven of the twelve RL step phases: every kind is hit.
     rng = random.Random(SEED)
-    points = sorted(rng.sample(range(len(PHASES)), 10))
-    server = PrefectServer(tmp_path / "prefect")
-    env["PREFECT_API_URL"] = server.url
-    started, hit = [], []
-    log_path = tmp_path / "killed.log"
+    evals = [i for i, phase in enumerate(PHASES) if phase[0] == "eval"]
+    steps = [i for i, phase in enumerate(PHASES) if phase[0] in STEP_PHASES]
+    points = sorted([PHASES.index(("sft",)), *rng.sample(evals, 2), *rng.sample(steps, 7)])
+    run_dir, log_path = output / "runs" / "run", tmp_path / "killed.log"
+    started, victim = [], None
     try:
         for point in points:
+            since = time.time()
             with log_path.open("ab") as log:
                 victim = subprocess.Popen(
                     command(output, "run"),
@@ -186,25 +165,26 @@ def test_a_run_killed_at_ten_points_resumes_to_the_uninterrupted_tables(tmp_path
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
-            # SFT takes seconds, an RL phase a fraction of one: the moment within each is drawn.
-            delay = rng.uniform(0, 5.0 if PHASES[point][0] == "sft" else 0.3)
-            running, pids = asyncio.run(kill_at(victim, PHASES[point], delay, server.url))
-            started += pids + placed_pids(output / "runs" / "run")
-            hit.append((PHASES[point], sorted(running, key=str)))
+            reach(PHASES[point], run_dir, since, victim)
+            time.sleep(rng.uniform(0, REACH[PHASES[point][0]]))
+            started += descendants(victim.pid) + placed_pids(run_dir)
+            os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait()
+            print(f"killed in {PHASES[point]} after {time.time() - since:.0f} s")
         with log_path.open("ab") as log:
             done = subprocess.run(command(output, "run"), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         assert done.returncode == 0, log_path.read_text()[-4000:]
     finally:
-        server.stop()
-    print("\n".join(f"killed at {target}: running {running}" for target, running in hit))
+        if victim is not None and victim.poll() is None:  # a kill point never reached
+            os.killpg(victim.pid, signal.SIGKILL)
 
-    a, b = reference / "runs" / "run", output / "runs" / "run"
-    assert table_parts(b, "rollouts") == table_parts(a, "rollouts")
-    assert all(rows == keys for rows, keys in table_parts(b, "rollouts").values())
-    assert table_parts(b, "steps").keys() == table_parts(a, "steps").keys()
-    assert all(rows == keys for rows, keys in table_parts(b, "steps").values())
-    assert sorted(p.name for p in (b / "evaluations").rglob("*.parquet")) == sorted(
+    a = reference / "runs" / "run"
+    assert table_parts(run_dir, "rollouts") == table_parts(a, "rollouts")
+    assert all(rows == keys for rows, keys in table_parts(run_dir, "rollouts").values())
+    assert table_parts(run_dir, "steps").keys() == table_parts(a, "steps").keys()
+    assert all(rows == keys for rows, keys in table_parts(run_dir, "steps").values())
+    assert sorted(p.name for p in (run_dir / "evaluations").rglob("*.parquet")) == sorted(
         p.name for p in (a / "evaluations").rglob("*.parquet")
     )
     assert mlflow_histories(output, "run") == mlflow_histories(reference, "run")
-    assert wait_gone(started + placed_pids(b)) == []
+    assert wait_gone(started + placed_pids(run_dir)) == []

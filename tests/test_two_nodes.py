@@ -10,7 +10,9 @@ MLflow step histories):
   generates step 0's rollouts: the stage goes on, the step rows count what it cost;
 - a trainer rank SIGKILLed in step 1's update: the attempt fails naming the rank, and Prefect's
   retry goes on from step 0's checkpoint;
-- the CPU node removed after step 0: its sandbox replicas come back on the node that is left.
+- the CPU node removed after step 0: its sandbox replicas come back on the node that is left;
+- a node holding the only engines removed after step 0: the run stops with the plan's error, and
+  once a node is back, the same run id goes on from step 0's checkpoint.
 
 Run: .venv/bin/python -m pytest tests/test_two_nodes.py -q   (about 10 minutes on 2 cores)
 """
@@ -125,7 +127,7 @@ def remove_node(cluster: Cluster, node, run_dir: Path, rng: random.Random, log: 
     wait_for(step_done(run_dir, 0))
     time.sleep(rng.uniform(0, 1.0))
     cluster.remove_node(node)
-    log.append("cpu node")
+    log.append("node removed")
 
 
 def run_with(fault, run_id: str, on_cluster: dict, root: Path, *args) -> tuple[Path, list]:
@@ -139,6 +141,31 @@ def run_with(fault, run_id: str, on_cluster: dict, root: Path, *args) -> tuple[P
         attempts = asyncio.run(cluster_attempts())
     injector.join(timeout=10)
     return run_dir, log + attempts
+
+
+def stopped_until_the_node_is_back(cluster: Cluster, on_cluster: dict, root: Path) -> tuple[Path, list]:
+    """Engines only an engine node can hold, and that node removed after step 0: the attempt
+    fails (every engine gone), its retry cannot place them and the run stops with the plan's
+    error; run again with the same id once a node is back, it goes on from step 0's checkpoint."""
+    pinned = {**on_cluster, "cluster.engines.resources": {"engine_node": 1}}
+    run_dir, log = root / "runs" / "node-gone", []
+    node = cluster.add_node(num_cpus=1, resources={"engine_node": 2})
+    injector = threading.Thread(
+        target=remove_node, args=(cluster, node, run_dir, random.Random("node-gone"), log), daemon=True
+    )
+    injector.start()
+    with prefect_test_harness():
+        try:
+            pipeline(config=str(CONFIG), run_id="node-gone", overrides=pinned)
+            stopped = "the run did not stop"
+        except Exception as error:
+            stopped = f"{type(error).__name__}: {error}"
+        log += asyncio.run(cluster_attempts())
+    injector.join(timeout=10)
+    cluster.add_node(num_cpus=1, resources={"engine_node": 2})
+    with prefect_test_harness():
+        pipeline(config=str(CONFIG), run_id="node-gone", overrides=pinned)
+    return run_dir, [*log, stopped]
 
 
 async def cluster_attempts() -> list[str]:
@@ -181,6 +208,7 @@ def runs(tmp_path_factory):
         # Sandboxes that may live on any node: the ones on the CPU node can move when it goes.
         movable = {**on_cluster, "cluster.sandbox.resources": {}}
         faults["node"] = run_with(remove_node, "node-lost", movable, root, cluster, cpu_node)
+        faults["gone"] = stopped_until_the_node_is_back(cluster, movable, root)  # (the CPU node is gone)
     finally:
         cluster.shutdown()
     with prefect_test_harness():
@@ -275,13 +303,21 @@ def test_a_dead_trainer_rank_costs_a_retry_from_the_last_checkpoint(runs):
 
 def test_a_lost_node_costs_its_actors_a_move(runs):
     run_dir, log = runs["faults"]["node"]
-    assert log == ["cpu node"]
+    assert log == ["node removed"]
     assert_same_as_uninterrupted(runs, run_dir)
     actors = json.loads((run_dir / "placement.json").read_text())["actors"]
     moved = [a["index"] for a in actors if a["role"] == "sandbox" and a["node_id"] == runs["node_ids"]["cpu"]]
     assert moved, actors  # a replica was on the node that went
     for index in moved:  # and came back on the node that is left
         assert (run_dir / "logs" / f"sandbox-{index}.log").read_text().count("sandbox on http") == 2
+
+
+def test_a_node_lost_for_good_stops_the_run_until_it_is_back(runs):
+    run_dir, log = runs["faults"]["gone"]
+    assert len(log) == 3 and log[0] == "node removed", log
+    assert "every engine is gone" in log[1], log[1]  # the attempt that lost them; its retry:
+    assert log[2].startswith("PlanError: ") and "engine_node" in log[2], log[2]
+    assert_same_as_uninterrupted(runs, run_dir)
 
 
 def test_nothing_it_started_is_left_running(runs):
