@@ -3,6 +3,7 @@
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -49,9 +50,13 @@ def wait_busy(pid: int, timeout_s: float = 300.0, window_s: float = 0.2, share: 
     raise TimeoutError(f"process {pid} never got busy within {timeout_s} s")
 
 
-def wait_for(path: Path, timeout_s: float = 600.0) -> None:
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 600.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while not path.exists():
+    while not condition():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} never appeared")
-        time.sleep(0.1)
+            raise TimeoutError(f"{what} never happened within {timeout_s:.0f} s")
+        time.sleep(0.02)
+
+
+def wait_for(path: Path, timeout_s: float = 600.0) -> None:
+    wait_until(path.exists, f"{path} appearing", timeout_s)

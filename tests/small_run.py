@@ -1,5 +1,11 @@
 """Config overrides shared by the end-to-end tests: the tiny config cut down to a run of a minute
-or two on two cores."""
+or two on two cores, and the `rstar2 run` command line that runs it."""
+
+import json
+import sys
+from pathlib import Path
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
 
 def stage(name: str, steps: int, **fields) -> dict:
@@ -22,3 +28,9 @@ def small_run(stages: list[dict]) -> dict:
         "eval.max_response_tokens": 96,
         "rl.stages": stages,
     }
+
+
+def run_command(run_id: str, overrides: dict) -> list[str]:
+    """`python -m flows.cli run` of the tiny config with these overrides (dotted keys)."""
+    sets = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={json.dumps(value)}")]
+    return [sys.executable, "-m", "flows.cli", "run", "--config", str(TINY), "--run-id", run_id, *sets]

@@ -24,7 +24,7 @@ from tasks.rollout.agent import run_rollouts
 from tasks.rollout.metrics import max_logprob_gap
 from tasks.sandbox.status import ToolStatus
 from tasks.train.sample import Sample
-from tests.processes import wait_gone
+from tests.processes import wait_gone, wait_until
 from tests.test_rollout_pool import SPEC, run_config, started_pids
 
 pytestmark = pytest.mark.slow
@@ -45,13 +45,6 @@ def kill_after(ready, victims: list[int], rng: random.Random, killed: list) -> t
     thread = threading.Thread(target=kill, daemon=True)
     thread.start()
     return thread
-
-
-def wait_until(condition, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def pid_of(where: list[dict], role: str, index: int, key: str = "pid") -> int:
@@ -87,7 +80,8 @@ def test_a_dead_engine_costs_a_requeue_and_comes_back_with_the_weights(model_dir
     victim = pid_of(runtime.where, "engine", 1)
     killed: list[int] = []
     calls = pool.calls
-    killer = kill_after(lambda: wait_until(lambda: pool.calls > calls + 8), [victim], random.Random(SEED), killed)
+    generating = lambda: wait_until(lambda: pool.calls > calls + 8, "generation", 120)  # noqa: E731
+    killer = kill_after(generating, [victim], random.Random(SEED), killed)
     trajectories, times = run_rollouts(pool, runtime.tools, tokenizer, problems, 8, SPEC)
     killer.join(timeout=5)
     assert killed == [victim], "the engine was not killed while the batch ran"
@@ -141,7 +135,7 @@ def wait_for_replica(runtime, index: int, gone_url: str | None) -> None:
     """Until replica `index` serves calls again (at a new URL, when `gone_url` is given)."""
     client = runtime.tools.client
     deadline = time.monotonic() + 120
-    while client._down_until[index] or client.urls[index] == gone_url:
+    while client.passed_over(index) or client.urls[index] == gone_url:
         assert time.monotonic() < deadline, "the replica never came back"
         runtime.tools.submit("print(1)", "").result(timeout=60)
         time.sleep(0.5)

@@ -18,7 +18,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from mlflow.tracking import MlflowClient
 
 from tasks.tracking.mlflow_log import EXPERIMENT, tracking_uri
 from tests.processes import placed_pids, wait_busy, wait_gone
-from tests.small_run import small_run, stage
+from tests.small_run import run_command, small_run, stage
 from tests.test_resume_pipeline import table_parts
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak]
@@ -51,10 +50,7 @@ REACH = {"sft": 3.0, "eval": 0.2, "rollout": 0.2, "update": 0.3, "sync": 0.05}
 def command(output_dir: Path, run_id: str) -> list[str]:
     # The small run's policy solves nothing yet: groups without signal still make an update (of
     # zero advantages), so that every step trains, checkpoints and syncs.
-    overrides = {**small_run(STAGES), "output_dir": str(output_dir), "rl.roc.drop_zero_signal": False}
-    sets = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={json.dumps(value)}")]
-    config = str(ROOT / "configs" / "tiny.yaml")
-    return [sys.executable, "-m", "flows.cli", "run", "--config", config, "--run-id", run_id, *sets]
+    return run_command(run_id, {**small_run(STAGES), "output_dir": str(output_dir), "rl.roc.drop_zero_signal": False})
 
 
 def descendants(pid: int) -> list[int]:

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from tasks.tracking.mlflow_log import EXPERIMENT, tracking_uri
 from tests.processes import placed_pids, wait_gone
-from tests.small_run import small_run, stage
+from tests.small_run import run_command, small_run, stage
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = [stage("stage1", 3), stage("hard", 1, hard_only=True, difficulty_attempts=2, reset_optimizer=True)]
@@ -25,19 +24,7 @@ SMALL = small_run(STAGES)
 
 
 def command(output_dir: Path, run_id: str) -> list[str]:
-    overrides = {**SMALL, "output_dir": str(output_dir)}
-    sets = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={json.dumps(value)}")]
-    return [
-        sys.executable,
-        "-m",
-        "flows.cli",
-        "run",
-        "--config",
-        str(ROOT / "configs" / "tiny.yaml"),
-        "--run-id",
-        run_id,
-        *sets,
-    ]
+    return run_command(run_id, {**SMALL, "output_dir": str(output_dir)})
 
 
 def run(output_dir: Path, run_id: str, log: Path) -> None:

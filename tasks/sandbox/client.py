@@ -131,6 +131,10 @@ class SandboxClient:
             key=lambda i: (i in failed, self._down_until[i] > now, self._in_flight[i], (i - self._turn) % n),
         )
 
+    def passed_over(self, replica: int) -> bool:
+        """Whether calls avoid the replica now (it failed lately and has not been found since)."""
+        return self._down_until[replica] > time.monotonic() or replica in self._finding
+
     def _mark_down(self, replica: int) -> None:
         now = time.monotonic()
         self._down_until[replica] = now + self.down_s
