@@ -1,0 +1,176 @@
+"""RoC counts a tool call as failed from the sandbox's structured status, never from its text.
+
+Real programs run in a real sandbox service, called by the real agent loop (`run_rollouts`) whose
+turns come from a scripted stand-in for the engines; the trajectories it builds go through the
+RL step's own scoring and GRPO-RoC selection (`training_batch`, release mode: deterministic).
+
+Code that only looks wrong (prints "Error:" or "Traceback", warns on stderr, raises and catches
+its own exception, asserts its own result, ends with a bare expression) must come back OK and
+count as 0 failures; real failures (an uncaught exception, a timeout, a memory error, a killed
+process, a tool call that does not parse) must each count as one.
+
+Each case is one problem with 6 rollouts: the case's rollout (one tool call, then the right
+answer), two right answers without a tool call (p_err 0.5 each) and three wrong ones. RoC keeps 4,
+2 of them positives: the case's rollout is kept iff its call counts as clean (p_err 0 < 0.5 < 1).
+
+Run: .venv/bin/python -m pytest tests/test_roc_status.py -q
+"""
+
+import pytest
+
+from tasks.config import EngineConfig, RocConfig
+from tasks.reward.verify import count_answer_blocks
+from tasks.rl.batch import training_batch, trajectory_score
+from tasks.rollout.agent import ToolRunner, run_rollouts
+from tasks.rollout.engine import FinishedTurn
+from tasks.rollout.format import TOOL_CALL_CLOSE, answer_text, tool_call_text
+from tasks.rollout.trajectory import Rollouts, RolloutSpec, Trajectory
+from tasks.sandbox.executor import Limits
+from tasks.sandbox.server import SandboxService
+from tasks.sandbox.status import ToolStatus
+from tests.sandbox_helpers import execute
+
+TOOL = "execute_python_code_with_standard_io"
+LIMITS = Limits(timeout_s=1.0, cpu_s=1, memory_mb=256, output_bytes=2048)
+SPEC = RolloutSpec(
+    max_turns=4, max_response_tokens=8192, temperature=1.0, top_p=1.0, tool_name=TOOL, tool_response_chars=256
+)
+ROLLOUTS_PER_PROBLEM, POSITIVES, KEEP = 6, 3, 4
+
+# name -> (program, text that looks like a failure, in its stdout or stderr)
+LOOKS_WRONG = {
+    "error_words_on_stdout": (
+        "print('Error: k = 0 gives no solution, skipping it')\nprint('Traceback (most recent call last):')\nprint(42)",
+        "Traceback (most recent call last):",
+    ),
+    "warning_on_stderr": (
+        "import sys, warnings\n"
+        "warnings.warn('float precision may be lost')\n"
+        "sys.stderr.write('Error: not really\\n')\n"
+        "print(42)",
+        "UserWarning: float precision may be lost",
+    ),
+    "caught_exception": (
+        "import traceback\ntry:\n    1 / 0\nexcept ZeroDivisionError:\n    traceback.print_exc()\nprint(42)",
+        "ZeroDivisionError: division by zero",
+    ),
+    "own_assert_holds": (
+        "total = sum(range(10))\nassert total == 45, 'Error: wrong sum'\nprint(total - 3)",
+        "42",
+    ),
+    "final_bare_expression": ("x = 6\nx * 7", "42"),  # echoed as IPython would
+}
+# name -> (the turn's text, the status its call must end with)
+FAILS = {
+    "uncaught_exception": (tool_call_text(TOOL, "raise ValueError('no root found')"), ToolStatus.ERROR),
+    "timeout": (tool_call_text(TOOL, "import time\ntime.sleep(30)"), ToolStatus.TIMEOUT),
+    "memory": (tool_call_text(TOOL, "data = bytearray(10**10)"), ToolStatus.MEMORY),
+    "killed": (tool_call_text(TOOL, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)"), ToolStatus.KILLED),
+    "parse_error": ("<tool_call>{not json" + TOOL_CALL_CLOSE, ToolStatus.PARSE_ERROR),
+}
+CALL_TURNS = {name: tool_call_text(TOOL, code) for name, (code, _) in LOOKS_WRONG.items()}
+CALL_TURNS.update({name: turn for name, (turn, _) in FAILS.items()})
+
+
+class CharTokenizer:
+    """One token per character, and one for </tool_call>: what the agent loop asks of a tokenizer."""
+
+    CLOSE = 0
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        assert token == TOOL_CALL_CLOSE
+        return self.CLOSE
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        ids: list[int] = []
+        for i, piece in enumerate(text.split(TOOL_CALL_CLOSE)):
+            ids += [self.CLOSE] * (i > 0) + [ord(c) + 1 for c in piece]
+        return {"input_ids": ids}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(TOOL_CALL_CLOSE if i == self.CLOSE else chr(i - 1) for i in ids)
+
+
+class ScriptedEngines:
+    """One engine whose assistant turns are written in advance, per rollout and turn."""
+
+    def __init__(self, tokenizer: CharTokenizer, turns: list[list[str]]) -> None:
+        self.cfg = EngineConfig(max_model_len=32768)
+        self.count, self.kv_tokens, self.serving, self.last_rollout_sizes = 1, [10**7], [True], []
+        self.tokenizer, self.turns = tokenizer, turns
+        self.finished: list[tuple[int, FinishedTurn]] = []
+
+    def add_request(self, engine: int, request_id: str, *_request) -> None:
+        rollout, turn = map(int, request_id.split(":"))
+        ids = self.tokenizer(self.turns[rollout][turn])["input_ids"]
+        self.finished.append((engine, FinishedTurn(request_id, ids, "stop")))
+
+    def poll(self, timeout: float | None) -> list[tuple[int, FinishedTurn]]:
+        finished, self.finished = self.finished, []
+        return finished
+
+    def failed(self) -> list[int]:
+        return []
+
+    def stats(self) -> list[dict]:
+        return [{"busy_s": 0.0, "preemptions": 0}]
+
+
+def script(call_turn: str, sample: int) -> list[str]:
+    """The turns of one rollout: the case's call then the right answer, a right answer alone, or
+    a wrong one."""
+    if sample == 0:
+        return ["Let me compute it." + call_turn, answer_text("42")]
+    return [answer_text("42" if sample < POSITIVES else "7")]
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    with SandboxService(workers=2, limits=LIMITS) as service:
+        yield service
+
+
+@pytest.fixture(scope="module")
+def selected(sandbox) -> dict[str, tuple[Trajectory, bool]]:
+    """Per case, its rollout with a tool call and whether RoC kept it; all cases in one batch."""
+    names = list(CALL_TURNS)
+    turns = [script(CALL_TURNS[name], sample) for name in names for sample in range(ROLLOUTS_PER_PROBLEM)]
+    tokenizer = CharTokenizer()
+    with ToolRunner([sandbox.url]) as tools:
+        engines = ScriptedEngines(tokenizer, turns)
+        problems = [(name, "What is 6 * 7?") for name in names]
+        trajectories, times = run_rollouts(engines, tools, tokenizer, problems, ROLLOUTS_PER_PROBLEM, SPEC)
+    rollouts = Rollouts([], trajectories, times)
+    rollouts.rewards = [float(t.sample < POSITIVES) for t in trajectories]
+    rollouts.answer_blocks = [count_answer_blocks(t.response) for t in trajectories]
+    batch = training_batch(rollouts, KEEP, RocConfig(mode="release"), seed=0, stage="roc-status", step=0)
+    return {t.problem_id: (t, kept) for t, kept in zip(trajectories, batch.kept) if t.sample == 0}
+
+
+def test_the_scripted_rollouts_run_as_written(selected) -> None:
+    for traj, _ in selected.values():
+        assert (traj.turns, traj.stop_reason, len(traj.tool_calls)) == (2, "answer", 1), traj.response
+
+
+@pytest.mark.parametrize("name", LOOKS_WRONG)
+def test_code_that_only_looks_wrong_is_a_clean_call(sandbox, selected, name: str) -> None:
+    code, looks_wrong = LOOKS_WRONG[name]
+    result = execute(sandbox.url, code)
+    assert result.status is ToolStatus.OK, result
+    assert looks_wrong in result.stdout + result.stderr  # the program really wrote it
+    assert result.stdout.endswith("42\n")
+    traj, kept = selected[name]
+    assert traj.tool_calls[0].status is ToolStatus.OK
+    score = trajectory_score(traj, reward=1.0, answer_blocks=1)
+    assert (score.tool_calls, score.tool_failures) == (1, 0)
+    assert kept  # ranked above the positives that made no tool call
+
+
+@pytest.mark.parametrize("name", FAILS)
+def test_a_real_failure_counts(selected, name: str) -> None:
+    _, status = FAILS[name]
+    traj, kept = selected[name]
+    assert traj.tool_calls[0].status is status
+    score = trajectory_score(traj, reward=1.0, answer_blocks=1)
+    assert (score.tool_calls, score.tool_failures) == (1, 1)
+    assert not kept  # ranked below the positives that made no tool call
