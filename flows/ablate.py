@@ -1,4 +1,5 @@
-"""The RoC ablation: the pipeline per (seed, RoC mode), then one report comparing them."""
+"""Comparisons over seeds, the pipeline per (seed, arm), then one report: the RoC ablation (arms
+are `rl.roc.mode`s) and the cold-start experiment (arms are `sft.mode`s)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,44 @@ from typing import Any
 from prefect import flow
 
 from flows.pipeline import pipeline
-from tasks.ablation import read_run, sft_run_of, start_from_sft_of, write_ablation_report
+from tasks.ablation import read_run, sft_run_of, start_from_run, write_ablation_report, write_cold_start_report
 from tasks.config import default_config_path, load_config
 from tasks.config.preflight import check_run
-from tasks.summary.mode_comparison import ablation_command
+from tasks.summary.mode_comparison import RunResult, ablation_command
+
+
+def run_arms(
+    config: str,
+    seeds: int,
+    field: str,
+    arms: list[str],
+    overrides: dict[str, Any] | None,
+    name: str,
+    upto: str,
+    sft_from: str | None = None,
+) -> list[RunResult]:
+    """Runs `<name>-s<seed>-<arm>` with `field` set to each arm; a seed's later arms start from
+    its first arm's run after the `upto` policy, and with `sft_from` (the name of an earlier
+    ablation) every arm starts from that ablation's SFT policy of the seed. Re-running with the
+    same name resumes."""
+    cfg = load_config(config, overrides)
+    check_run(cfg)  # before a run folder gets a copy of a policy
+    results = []
+    for seed in range(seeds):
+        first = f"{name}-s{seed}-{arms[0]}"
+        for arm in arms:
+            run_id = f"{name}-s{seed}-{arm}"
+            run_overrides = {**(overrides or {}), "seed": seed, field: arm}
+            source = (
+                cfg.run_dir(first)
+                if arm != arms[0]
+                else (sft_run_of(Path(cfg.output_dir) / "runs", sft_from, seed) if sft_from else None)
+            )
+            if source is not None:
+                start_from_run(source, cfg.run_dir(run_id), load_config(config, run_overrides), upto)
+            pipeline(config, run_id, run_overrides)
+            results.append(read_run(cfg.run_dir(run_id), seed, arm, [s.name for s in cfg.rl.stages]))
+    return results
 
 
 @flow(name="rstar2-ablate", log_prints=True)
@@ -23,28 +58,29 @@ def ablate(
     name: str = "roc",
     sft_from: str | None = None,
 ) -> str:
-    """Runs `<name>-s<seed>-<mode>` for seeds 0..seeds-1 and each RoC mode (paper, release, off);
-    a seed's later modes start from its first mode's SFT policy, and with `sft_from` (the name of
-    an earlier ablation) every mode starts from that ablation's SFT policy of the seed: a paired
-    comparison of RL settings. Re-running with the same name resumes. Returns the report's path
+    """The RoC ablation: each RoC mode (paper, release, off) from one SFT policy per seed (or
+    ablation `sft_from`'s): a paired comparison of RL settings. Returns the report's path
     (outputs/ablations/<name>/report.md)."""
     modes = modes or ["paper", "release", "off"]
-    cfg = load_config(config, overrides)
-    check_run(cfg)  # before a run folder gets a copy of an SFT policy
-    results = []
-    for seed in range(seeds):
-        first = f"{name}-s{seed}-{modes[0]}"
-        for mode in modes:
-            run_id = f"{name}-s{seed}-{mode}"
-            run_overrides = {**(overrides or {}), "seed": seed, "rl.roc.mode": mode}
-            source = (
-                cfg.run_dir(first)
-                if mode != modes[0]
-                else (sft_run_of(Path(cfg.output_dir) / "runs", sft_from, seed) if sft_from else None)
-            )
-            if source is not None:
-                start_from_sft_of(source, cfg.run_dir(run_id), load_config(config, run_overrides))
-            pipeline(config, run_id, run_overrides)
-            results.append(read_run(cfg.run_dir(run_id), seed, mode, [s.name for s in cfg.rl.stages]))
+    results = run_arms(config, seeds, "rl.roc.mode", modes, overrides, name, "sft", sft_from)
     command = ablation_command(config, seeds, modes, overrides or {}, name, sft_from)
-    return str(write_ablation_report(results, Path(cfg.output_dir) / "ablations" / name, command))
+    out_dir = Path(load_config(config, overrides).output_dir) / "ablations" / name
+    return str(write_ablation_report(results, out_dir, command))
+
+
+@flow(name="rstar2-cold-start", log_prints=True)
+def cold_start(
+    config: str = str(default_config_path()),
+    seeds: int = 3,
+    arms: list[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    name: str = "coldstart",
+) -> str:
+    """The paper's cold-start question: the same RL stages from a non-reasoning SFT policy and
+    from a reasoning one, each seed's arms from one base model. Returns the report's path
+    (outputs/ablations/<name>/report.md)."""
+    arms = arms or ["non_reasoning", "reasoning"]
+    results = run_arms(config, seeds, "sft.mode", arms, overrides, name, "base")
+    command = ablation_command(config, seeds, arms, overrides or {}, name, command="coldstart", arms_flag="--arms")
+    out_dir = Path(load_config(config, overrides).output_dir) / "ablations" / name
+    return str(write_cold_start_report(results, out_dir, command))

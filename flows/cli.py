@@ -1,10 +1,11 @@
 """`rstar2 run`: the whole pipeline (or some RL stages of a run) from the command line, the same
 flow the UI triggers; `rstar2 evaluate`: a saved policy of a run; `rstar2 ablate`: the RoC
-ablation over seeds; `rstar2 query "SQL"`: SQL over the runs' tables; `rstar2 plan`: where a
+ablation over seeds; `rstar2 coldstart`: RL from a non-reasoning vs a reasoning SFT over seeds;
+`rstar2 query "SQL"`: SQL over the runs' tables; `rstar2 plan`: where a
 config's actors would go on a cluster, and whether they fit.
 
 Bad input (a config field, a data file, the model directory, the cluster) ends a command with one
-line on stderr naming what and where, and exit status 2; `run` and `ablate` check it before any
+line on stderr naming what and where, and exit status 2; `run`, `ablate` and `coldstart` check it before any
 flow starts, so nothing is written."""
 
 from __future__ import annotations
@@ -121,6 +122,18 @@ def main(argv: list[str] | None = None) -> None:
         metavar="NAME",
         help="start every run from ablation NAME's SFT policy of its seed (compare RL settings)",
     )
+    coldstart = commands.add_parser(
+        "coldstart", help="the cold-start experiment: RL from a non-reasoning vs a reasoning SFT over seeds, one report"
+    )
+    coldstart.add_argument("--config", default=str(default_config_path()), help="YAML config (default: tiny)")
+    coldstart.add_argument("--seeds", type=int, default=3)
+    coldstart.add_argument(
+        "--arms", nargs="+", default=["non_reasoning", "reasoning"], choices=["non_reasoning", "reasoning"]
+    )
+    coldstart.add_argument(
+        "--name", default="coldstart", help="runs <name>-s<seed>-<arm>, report outputs/ablations/<name>"
+    )
+    coldstart.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     query = commands.add_parser("query", help="run SQL on the DuckDB views (dashboards/views.sql)")
     query.add_argument("sql", help='e.g. "SELECT stage, step, avg(reward) FROM rollouts GROUP BY ALL"')
     query.add_argument("--runs", default="outputs/runs/*", help="run folder or glob (default: every run)")
@@ -148,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     with _bad_input_exits_2():
         overrides = _overrides(args.set)
-        if args.command in ("run", "ablate"):
+        if args.command in ("run", "ablate", "coldstart"):
             _check(args.config, overrides)
     if args.command == "evaluate":
         from flows.evaluate import evaluate_checkpoint
@@ -172,6 +185,11 @@ def main(argv: list[str] | None = None) -> None:
             name=args.name,
             sft_from=args.sft_from,
         )
+        return
+    if args.command == "coldstart":
+        from flows.ablate import cold_start
+
+        cold_start(config=args.config, seeds=args.seeds, arms=args.arms, overrides=overrides, name=args.name)
         return
     from flows.pipeline import pipeline
 

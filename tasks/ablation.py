@@ -1,4 +1,4 @@
-"""Prefect tasks of the RoC ablation flow (library: tasks/summary/mode_comparison.py)."""
+"""Prefect tasks of the comparison flows (library: tasks/summary/mode_comparison.py, cold_start.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.config import RunConfig
-from tasks.summary import mode_comparison
+from tasks.summary import cold_start, mode_comparison
 from tasks.summary.mode_comparison import RunResult
 
 
 @task(cache_policy=NO_CACHE)
-def start_from_sft_of(source: Path, target: Path, cfg: RunConfig) -> None:
-    mode_comparison.start_from_sft_of(source, target, cfg)
+def start_from_run(source: Path, target: Path, cfg: RunConfig, upto: str) -> None:
+    mode_comparison.start_from_run(source, target, cfg, upto)
 
 
 @task(cache_policy=NO_CACHE)
@@ -30,3 +30,8 @@ def read_run(run_dir: Path, seed: int, mode: str, stage_names: list[str]) -> Run
 @task(cache_policy=NO_CACHE)
 def write_ablation_report(results: list[RunResult], out_dir: Path, command: str) -> Path:
     return mode_comparison.write_report(results, out_dir, command)
+
+
+@task(cache_policy=NO_CACHE)
+def write_cold_start_report(results: list[RunResult], out_dir: Path, command: str) -> Path:
+    return cold_start.write_report(results, out_dir, command)

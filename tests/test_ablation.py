@@ -1,4 +1,5 @@
-"""The RoC ablation's numbers and report, from run results made up here (no pipeline run)."""
+"""The RoC ablation's and the cold-start experiment's numbers and reports, from run results made up
+here (no pipeline run), and how a run starts from another run's policy."""
 
 import json
 import math
@@ -149,7 +150,7 @@ def _finished_sft_run(run_dir: Path, cfg) -> Path:
 
 def test_a_run_starts_from_another_runs_sft_policy_only_if_their_configs_differ_in_rl_alone(tmp_path) -> None:
     from tasks.config import default_config_path, load_config
-    from tasks.summary.mode_comparison import sft_run_of, start_from_sft_of
+    from tasks.summary.mode_comparison import sft_run_of, start_from_run
 
     def cfg(**overrides):
         return load_config(default_config_path(), {"output_dir": str(tmp_path), **overrides})
@@ -160,12 +161,69 @@ def test_a_run_starts_from_another_runs_sft_policy_only_if_their_configs_differ_
     with pytest.raises(ValueError, match="no run a-s1-<mode>"):
         sft_run_of(runs, "a", 1)
 
-    start_from_sft_of(source, runs / "b-s0-paper", cfg(**{"rl.optim.lr": 1e-5, "rl.roc.mode": "off"}))
+    start_from_run(source, runs / "b-s0-paper", cfg(**{"rl.optim.lr": 1e-5, "rl.roc.mode": "off"}))
     target = runs / "b-s0-paper"
     assert (target / "models" / "sft" / "part-0.parquet").read_bytes() == b"rows"
     assert json.loads((target / "state" / "sft.json").read_text())["result"] == str(target / "models" / "sft")
     assert not (target / "config.json").exists()  # the pipeline writes its own
 
     with pytest.raises(ValueError, match=r"differ in \['seed', 'sft'\]"):
-        start_from_sft_of(source, runs / "c-s1-paper", cfg(seed=1, **{"sft.epochs": 2}))
+        start_from_run(source, runs / "c-s1-paper", cfg(seed=1, **{"sft.epochs": 2}))
     assert not (runs / "c-s1-paper").exists()
+
+
+def test_an_arm_starts_from_another_runs_base_model_if_only_the_sft_mode_or_rl_differ(tmp_path) -> None:
+    from tasks.config import default_config_path, load_config
+    from tasks.summary.mode_comparison import start_from_run
+
+    def cfg(**overrides):
+        return load_config(default_config_path(), {"output_dir": str(tmp_path), **overrides})
+
+    runs = tmp_path / "runs"
+    source = _finished_sft_run(runs / "c-s0-non_reasoning", cfg())
+    target = runs / "c-s0-reasoning"
+    start_from_run(source, target, cfg(**{"sft.mode": "reasoning", "rl.optim.lr": 1e-5}), "base")
+    assert (target / "models" / "base" / "part-0.parquet").read_bytes() == b"rows"
+    assert not (target / "models" / "sft").exists() and not (target / "evaluations").exists()
+    assert sorted(p.name for p in (target / "state").iterdir()) == ["base.json", "curate.json"]
+    with pytest.raises(ValueError, match=r"differ in \['sft'\], and only rl, sft.mode may"):
+        start_from_run(source, runs / "d-s0-reasoning", cfg(**{"sft.mode": "reasoning", "sft.epochs": 2}), "base")
+
+
+def test_half_final_step_is_where_the_reward_first_reaches_half_its_final_mean() -> None:
+    from tasks.summary.cold_start import half_final_step
+
+    assert half_final_step([0.0, 0.1, 0.25, 0.3, 0.5, 0.4, 0.6]) == 3  # final 0.5, half 0.25
+    assert half_final_step([0.4, 0.1, 0.5, 0.5, 0.5]) == 1
+    assert math.isnan(half_final_step([0.2, 0.0, 0.0, 0.0])) and math.isnan(half_final_step([]))
+
+
+def test_cold_start_report_compares_the_arms_over_seeds(tmp_path) -> None:
+    from tasks.summary.cold_start import summarize, write_report
+
+    def arm_run(seed, arm, sft, final, lengths):
+        steps = {
+            "reward_mean": [0.1, 0.2, 0.4, 0.4, 0.4, 0.2],
+            "response_length_mean": lengths,
+            "turns_mean": [2.0, 2.0, 2.0, 3.0, 3.0, 9.0],
+            "tool_error_rate": [0.5, 0.5, 0.5, 0.1, 0.1, 0.1],
+        }
+        return RunResult(seed, arm, f"c-s{seed}-{arm}", {"sft": sft, "stage1": 0.0, "stage2": final}, steps, [5, 6])
+
+    results = [
+        arm_run(0, "non_reasoning", 0.1, 0.5, [100.0, 100, 100, 60, 60, 500]),
+        arm_run(1, "non_reasoning", 0.2, 0.6, [120.0, 120, 120, 80, 80, 500]),
+        arm_run(0, "reasoning", 0.5, 0.5, [90.0, 90, 90, 90, 90, 500]),
+    ]
+    arms = summarize(results)
+    nr = arms["non_reasoning"]
+    assert nr["sft"][:2] == pytest.approx((0.15, 0.0707), abs=1e-4) and nr["gain"][0] == pytest.approx(0.4)
+    # "at the end" is the first stage's last 3 steps: step 6 (the hard stage) is not in it
+    assert nr["length_first"][0] == pytest.approx(110) and nr["length_end"][0] == pytest.approx(250 / 3)
+    assert nr["turns_first"][0] == 2.0 and nr["turns_end"][0] == pytest.approx(8 / 3)
+    assert nr["tool_error_rate"][0] == pytest.approx(0.3) and nr["half_final_step"][0] == 2
+    assert arms["reasoning"]["gain"][:3] == (0.0, 0.0, 1)
+    text = write_report(results, tmp_path, "rstar2 coldstart --seeds 2").read_text()
+    assert "| non_reasoning | 0.150 ± 0.071 | 0.550 ± 0.071 | +40.0 ± 0.0 | 110 ± 14 -> 83 ± 14 |" in text
+    assert "| `c-s0-reasoning` | sft 0.500 -> stage1 0.000 -> stage2 0.500 | n/a |" in text
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -141,3 +141,35 @@ def test_the_base_tokenizer_corpus_leaves_out_recovery_examples() -> None:
     assert any(len(e) == 6 for e in sft_examples(cfg)[0])
     corpus, _ = sft_examples(cfg, recovery=False)
     assert len(corpus) == 50 and all(len(e) in (2, 4) for e in corpus)
+
+
+def _ngrams(text: str, n: int = 8) -> set[tuple[str, ...]]:
+    """Word n-grams with every number as one placeholder: a template shared with other numbers
+    in it counts as overlap."""
+    words = [re.sub(r"\d+", "0", w) for w in re.findall(r"\w+|[^\w\s]", text.lower())]
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def _example_text(example) -> str:
+    """An example without its system prompt (every prompt, RL's too, has the same one)."""
+    text = "".join(text for text, _ in example)
+    return text.split(f"{IM_END}\n", 1)[1]
+
+
+@pytest.mark.parametrize("mode", ["non_reasoning", "reasoning"])
+def test_the_non_reasoning_set_shares_no_kind_and_no_8gram_with_the_rl_problems(mode) -> None:
+    from tasks.data.chat_examples import sft_examples
+    from tasks.data.problems import KINDS, generate_problems
+    from tasks.data.tool_tasks import TOOL_TASKS
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml", {"sft.mode": mode})
+    assert not set(TOOL_TASKS) & set(KINDS)
+    # The generated pool the train and held-out sets are split from: the problems as RL shows them.
+    problems = generate_problems(cfg.data.n_train + cfg.data.n_heldout, cfg.data.levels, cfg.data.seed)
+    rl_ngrams = set().union(*(_ngrams(p.question) for p in problems))
+    examples, _ = sft_examples(cfg)
+    shared = [e for e in examples if _ngrams(_example_text(e)) & rl_ngrams]
+    if mode == "non_reasoning":
+        assert not shared, _example_text(shared[0]) if shared else ""
+    else:  # the check can see overlap: the reasoning arm is made of the RL kinds
+        assert len(shared) > len(examples) // 2

@@ -1,5 +1,5 @@
 """The embedded default model: deterministic from the seed, a Hugging Face directory whose
-tokenizer keeps the format's tags whole and splits numbers into digits.
+tokenizer keeps the format's tags and the tool's name whole and splits numbers into digits.
 
 Run: .venv/bin/python -m pytest tests/test_tiny_model.py -q
 """
@@ -29,16 +29,16 @@ def test_same_seed_same_files(tmp_path):
     ).read_bytes()
 
 
-def test_loads_as_a_qwen2_causal_lm_with_untied_embeddings(tmp_path):
+def test_loads_as_a_qwen3_causal_lm_with_untied_embeddings(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(_build(tmp_path / "m"))
-    assert model.config.model_type == "qwen2" and not model.config.tie_word_embeddings
+    assert type(model).__name__ == "Qwen3ForCausalLM" and not model.config.tie_word_embeddings
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "m")
     assert model.config.vocab_size >= len(tokenizer) and tokenizer.eos_token == IM_END
 
 
-def test_tags_are_single_tokens_and_digits_split(tmp_path):
+def test_tags_and_the_tool_name_are_single_tokens_and_digits_split(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(_build(tmp_path / "m"))
-    for tag in TAG_TOKENS:
+    for tag in [*TAG_TOKENS, "execute_python_code_with_standard_io"]:
         assert len(tokenizer(tag, add_special_tokens=False)["input_ids"]) == 1, tag
     pieces = tokenizer.convert_ids_to_tokens(tokenizer("x = 40961", add_special_tokens=False)["input_ids"])
     assert pieces[-5:] == ["4", "0", "9", "6", "1"]

@@ -22,7 +22,7 @@ class _Strict(BaseModel):
 
 
 class TinyModelConfig(_Strict):
-    """Qwen2-style causal LM trained from scratch when no real model path is given."""
+    """Qwen3 causal LM trained from scratch when no real model path is given."""
 
     vocab_size: int = 2048
     hidden_size: int = 256
@@ -142,9 +142,16 @@ class SftSourceConfig(_Source):
     tools: str | None = "tools"  # column with the chat's tool schemas (a list, or JSON text)
 
 
+SftMode = Literal["non_reasoning", "reasoning"]
+
+
 class SftConfig(_Strict):
     sources: list[SftSourceConfig] = [SftSourceConfig(name="generated")]
     n_examples: int = 2000  # of the generated source
+    # What the generated source teaches (tasks/data/chat_examples.py). non_reasoning (the paper):
+    # calling the tool on tasks that are not the RL problems, answer formats, chat. reasoning:
+    # the programs that solve problems of the RL kinds, the other arm of the cold-start experiment.
+    mode: SftMode = "non_reasoning"
     # Of the generated tool-call examples, the share whose first call fails (half malformed, half
     # a failing program) and is corrected; the failed call is context, not a target. Without
     # them the tiny policy answers at once after a failed call, so its positives carry no tool

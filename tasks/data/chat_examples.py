@@ -4,12 +4,17 @@ Two kinds of source: the generated set below, and chats from files (function-cal
 instruction-following data sets, OpenAI / Hermes message lists) rendered by `chat_segments` into
 the same rollout format, with the chat's own tools listed in the system prompt.
 
-As the paper prescribes, no math reasoning traces: an example either follows an explicit
-instruction to use the Python tool (the assistant writes the call, the tool answers, the
-assistant reports the printed value; in a `recovery_share` of them a failed call and its error
-come first) or an instruction to report a given number in the answer format. Problems for
-tool-call examples are generated from a seed disjoint from the curated splits. Each example is a
-list of (text, trainable) segments in the rollout format.
+The generated set comes in two modes (`sft.mode`), the two arms of the paper's cold-start
+question:
+- `non_reasoning` (the paper's SFT): tool calls on tasks that need the tool but are not the math
+  problems RL trains on (tasks/data/tool_tasks.py: the assistant writes the call, the tool
+  answers, the assistant reports what it printed; in a `recovery_share` of them a failed call and
+  its error come first), answer-format instructions and short chats. The math reasoning is left
+  to the base model's pre-training and to RL.
+- `reasoning`: "Use the Python tool. <problem>" and the program that solves it, for problems of
+  the RL kinds (from a seed disjoint from the curated splits): reasoning in code form, as a
+  reasoning SFT would teach it.
+Each example is a list of (text, trainable) segments in the rollout format.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-from tasks.config import MalformedRows, RunConfig, SftSourceConfig
+from tasks.config import MalformedRows, RunConfig, SftMode, SftSourceConfig
 from tasks.data.problems import generate_problems
 from tasks.data.sources import Rejected, SourceError, malformed_row, partition, read_records
+from tasks.data.tool_tasks import CHATS, instruction, tool_tasks
 from tasks.rollout.format import (
     IM_END,
     TOOL_CALL_CLOSE,
@@ -48,7 +54,7 @@ class MalformedChat(ValueError):
 
 def tool_call_example(question: str, code: str, answer: str, tool_name: str, tool_spec: str) -> Segments:
     return [
-        (prompt_text(f"Use the Python tool. {question}", tool_name, tool_spec), False),
+        (prompt_text(question, tool_name, tool_spec), False),
         (tool_call_text(tool_name, code), True),
         (tool_response_text(answer), False),
         (answer_text(answer), True),
@@ -59,12 +65,12 @@ def broken_program(code: str, rng: random.Random) -> tuple[str, str]:
     """A plausible first attempt at `code` that fails, and the error text the sandbox prints for
     it (Python's own, produced here the way the sandbox's runner does: generated, trusted code
     that fails before doing any work)."""
-    kinds = ["typo", "unclosed"] + (["no_import"] if code.startswith("import math\n") else [])
+    kinds = ["typo", "unclosed"] + (["no_import"] if code.startswith("import ") else [])
     kind = rng.choice(kinds)
     broken = {
         "typo": code.replace("print(", "prnt(", 1),
         "unclosed": code[:-1],
-        "no_import": code.removeprefix("import math\n"),
+        "no_import": code.partition("\n")[2],
     }[kind]
     linecache.cache["<code>"] = (len(broken), None, broken.splitlines(True), "<code>")  # quoted in tracebacks
     try:
@@ -104,7 +110,7 @@ def recovery_example(
         broken, error = broken_program(code, rng)
         first_call = tool_call_text(tool_name, broken)
     return [
-        (prompt_text(f"Use the Python tool. {question}", tool_name, tool_spec), False),
+        (prompt_text(question, tool_name, tool_spec), False),
         (first_call, False),
         (tool_response_text(error), False),
         (tool_call_text(tool_name, code), True),
@@ -113,11 +119,12 @@ def recovery_example(
     ]
 
 
-def instruction_example(number: int, tool_name: str, tool_spec: str) -> Segments:
-    return [
-        (prompt_text(f"Reply with the number {number} as your final answer.", tool_name, tool_spec), False),
-        (answer_text(str(number)), True),
-    ]
+def instruction_example(instruction: str, answer: str, tool_name: str, tool_spec: str) -> Segments:
+    return [(prompt_text(instruction, tool_name, tool_spec), False), (answer_text(answer), True)]
+
+
+def chat_example(message: str, reply: str, tool_name: str, tool_spec: str) -> Segments:
+    return [(prompt_text(message, tool_name, tool_spec), False), (reply + IM_END, True)]
 
 
 def build_sft_examples(
@@ -128,22 +135,26 @@ def build_sft_examples(
     tool_spec: str = "schema",
     tool_share: float = 0.8,
     recovery_share: float = 0.0,
+    mode: SftMode = "non_reasoning",
 ) -> list[Segments]:
     """n examples, a `tool_share` of them tool calls, a `recovery_share` of those recovering
-    from a failed first call; deterministic from the seed."""
+    from a failed first call; the rest answer-format instructions (and in `non_reasoning` mode a
+    third of them short chats). Deterministic from the seed."""
     rng = random.Random(seed)
     n_tool = round(n * tool_share)
     n_recovery = round(n_tool * recovery_share)
-    # Offset the seed so these problems are not the curated train/held-out problems.
-    problems = generate_problems(n_tool, levels, seed=seed + 1_000_003)
-    examples = [
-        recovery_example(p.question, p.solution_code, p.answer, tool_name, tool_spec, rng)
-        for p in problems[:n_recovery]
-    ]
-    examples += [
-        tool_call_example(p.question, p.solution_code, p.answer, tool_name, tool_spec) for p in problems[n_recovery:]
-    ]
-    examples += [instruction_example(rng.randint(0, 10**6), tool_name, tool_spec) for _ in range(n - n_tool)]
+    if mode == "reasoning":
+        # Offset the seed so these problems are not the curated train/held-out problems.
+        problems = generate_problems(n_tool, levels, seed=seed + 1_000_003)
+        tasks = [(f"Use the Python tool. {p.question}", p.solution_code, p.answer) for p in problems]
+        n_chat = 0
+    else:
+        tasks = [(question, code, answer) for _, question, code, answer in tool_tasks(n_tool, rng)]
+        n_chat = (n - n_tool) // 3
+    examples = [recovery_example(*task, tool_name, tool_spec, rng) for task in tasks[:n_recovery]]
+    examples += [tool_call_example(*task, tool_name, tool_spec) for task in tasks[n_recovery:]]
+    examples += [instruction_example(*instruction(rng), tool_name, tool_spec) for _ in range(n - n_tool - n_chat)]
+    examples += [chat_example(*rng.choice(CHATS), tool_name, tool_spec) for _ in range(n_chat)]
     rng.shuffle(examples)
     return examples
 
@@ -292,10 +303,12 @@ def file_chats(source: SftSourceConfig, cfg: RunConfig) -> Iterator[Segments | R
     )
 
 
-def sft_examples(cfg: RunConfig, recovery: bool = True) -> tuple[list[Segments], dict[str, float]]:
+def sft_examples(
+    cfg: RunConfig, recovery: bool = True, mode: SftMode | None = None
+) -> tuple[list[Segments], dict[str, float]]:
     """Every configured SFT source's examples, and per source how many were used and set aside
     (also printed, with the first reasons). `recovery`: False leaves out the generated examples
-    that recover from a failed call."""
+    that recover from a failed call; `mode` replaces `sft.mode`."""
     examples: list[Segments] = []
     counts: dict[str, float] = {}
     for source in cfg.sft.sources:
@@ -309,6 +322,7 @@ def sft_examples(cfg: RunConfig, recovery: bool = True) -> tuple[list[Segments],
                     cfg.rollout.tool_name,
                     cfg.rollout.tool_spec,
                     recovery_share=share,
+                    mode=mode or cfg.sft.mode,
                 ),
                 [],
             )

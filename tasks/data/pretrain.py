@@ -13,6 +13,7 @@ from the curated splits and carry no answers and no reasoning.
 
 from __future__ import annotations
 
+import json
 import random
 
 from tasks.config import TinyModelConfig
@@ -33,7 +34,16 @@ def copy_documents(n: int, seed: int) -> list[str]:
 
 
 def pretraining_documents(n: int, levels: list[int], seed: int) -> list[str]:
-    return [f"{question}\n{code}\n" for _, _, question, code in problem_statements(n, levels, seed)]
+    """Problem statements each followed by its program: as plain text, or (half of them) as a JSON
+    record, the program an escaped string after `"code": "`. A real base model has seen code inside
+    JSON too (notebooks, API payloads, tool logs); the tiny one, shown programs only as plain text,
+    never wrote one inside a tool call's JSON, where the non-reasoning SFT policy must (LOG.md,
+    2026-11-25 non-reasoning-SFT entry: held-out pass@1 0.000 after SFT, 99% of calls failing)."""
+    rng = random.Random(seed)
+    return [
+        json.dumps({"problem": question, "code": code}) + "\n" if rng.random() < 0.5 else f"{question}\n{code}\n"
+        for _, _, question, code in problem_statements(n, levels, seed)
+    ]
 
 
 def pack_documents(tokenizer, documents: list[str], seq_len: int) -> list[list[int]]:

@@ -30,7 +30,12 @@ STEP_METRICS = {
     DRAWN_SHARE: "tool-error share, all positives drawn",
     "response_length_mean": "response length (tokens)",
 }
-PRE_RL = ("curate", "base", "sft", "eval-base", "eval-sft")  # what a later mode's run copies
+# Also read per RL step, for the cold-start report (tasks/summary/cold_start.py).
+RUN_METRICS = {**STEP_METRICS, "turns_mean": "turns per rollout", "tool_error_rate": "tool-error rate (of calls)"}
+# What a run starting from another one's policy copies: its records of the stages up to it.
+SHARED_STAGES = {"base": ("curate", "base", "eval-base"), "sft": ("curate", "base", "sft", "eval-base", "eval-sft")}
+# Config fields runs sharing those stages may differ in (the rest trained the shared policies).
+MAY_DIFFER = {"base": ("rl", "sft.mode"), "sft": ("rl",)}
 
 
 @dataclass
@@ -46,7 +51,7 @@ class RunResult:
     wall_s: float = math.nan  # the run's own stages (a later mode's run copies the SFT policy)
 
 
-def _stats(values: list[float]) -> tuple[float, float, int]:
+def mean_std(values: list[float]) -> tuple[float, float, int]:
     """(mean, sample std, n) of the finite values; NaNs when there are none."""
     finite = [v for v in values if not math.isnan(v)]
     if not finite:
@@ -75,16 +80,16 @@ def compare(results: list[RunResult], baseline: str = "off", treatment: str = "p
         runs = [r for r in results if r.mode == mode]
         final = [list(r.pass_at_1.values())[-1] for r in runs]
         sft = [r.pass_at_1.get("sft", math.nan) for r in runs]
-        share = [_stats(r.steps.get("roc/kept_pos_tool_error_share", []))[0] for r in runs]
-        drawn = [_stats(r.steps.get(DRAWN_SHARE, []))[0] for r in runs]
+        share = [mean_std(r.steps.get("roc/kept_pos_tool_error_share", []))[0] for r in runs]
+        drawn = [mean_std(r.steps.get(DRAWN_SHARE, []))[0] for r in runs]
         modes[mode] = {
             "seeds": [r.seed for r in runs],
-            "sft": _stats(sft),
-            "final": _stats(final),
-            "gain": _stats([f - s for f, s in zip(final, sft)]),
-            "error_share": _stats(share),
+            "sft": mean_std(sft),
+            "final": mean_std(final),
+            "gain": mean_std([f - s for f, s in zip(final, sft)]),
+            "error_share": mean_std(share),
             "error_share_by_seed": share,
-            "drawn_error_share": _stats(drawn),
+            "drawn_error_share": mean_std(drawn),
         }
     out = {"modes": modes}
     if baseline in modes and treatment in modes:
@@ -100,18 +105,25 @@ def compare(results: list[RunResult], baseline: str = "off", treatment: str = "p
 
 
 def ablation_command(
-    config: str, seeds: int, modes: list[str], overrides: dict, name: str, sft_from: str | None = None
+    config: str,
+    seeds: int,
+    modes: list[str],
+    overrides: dict,
+    name: str,
+    sft_from: str | None = None,
+    command: str = "ablate",
+    arms_flag: str = "--modes",
 ) -> str:
-    """The `rstar2 ablate` command line that reproduces an ablation, for its report."""
+    """The `rstar2 <command>` line (ablate, coldstart) that reproduces a comparison, for its report."""
     return shlex.join(
         [
             "rstar2",
-            "ablate",
+            command,
             "--config",
             config,
             "--seeds",
             str(seeds),
-            "--modes",
+            arms_flag,
             *modes,
             "--name",
             name,
@@ -121,30 +133,46 @@ def ablation_command(
     )
 
 
-def start_from_sft_of(source: Path, target: Path, cfg: RunConfig) -> None:
-    """Make run folder `target` continue where run `source` stands after SFT: its curated data,
-    base and SFT policies, their evaluation rows and finished records (paths rewritten). Does
-    nothing when `target` already has a config (an ablation being resumed). `cfg` is the
-    target's config: it may differ from the source's in `rl` only."""
+def _without(tree: dict, paths: tuple[str, ...]) -> dict:
+    """A copy of a config tree without the dotted `paths`."""
+    tree = json.loads(json.dumps(tree))
+    for path in paths:
+        *parents, leaf = path.split(".")
+        node = tree
+        for key in parents:
+            node = node.get(key, {})
+        node.pop(leaf, None)
+    return tree
+
+
+def start_from_run(source: Path, target: Path, cfg: RunConfig, upto: str = "sft") -> None:
+    """Make run folder `target` continue where run `source` stands after its `upto` policy
+    (`base` or `sft`): its curated data, policies up to that one, their evaluation rows and
+    finished records (paths rewritten). Does nothing when `target` already has a config (a
+    comparison being resumed). `cfg` is the target's config: it may differ from the source's only
+    in the fields of MAY_DIFFER[upto]."""
     if (target / "config.json").exists():
         return
-    theirs, mine = json.loads((source / "config.json").read_text()), json.loads(cfg.model_dump_json())
-    if differ := sorted(k for k in theirs.keys() | mine.keys() if k != "rl" and theirs.get(k) != mine.get(k)):
+    allowed = MAY_DIFFER[upto]
+    theirs = _without(json.loads((source / "config.json").read_text()), allowed)
+    mine = _without(json.loads(cfg.model_dump_json()), allowed)
+    if differ := sorted(k for k in theirs.keys() | mine.keys() if theirs.get(k) != mine.get(k)):
         raise ValueError(
             f"run {source.name} cannot seed run {target.name}: their configs differ in {differ}, "
-            "and only rl may (the runs share everything before RL)"
+            f"and only {', '.join(allowed)} may (the runs share everything up to the {upto} policy)"
         )
+    checkpoints = ("base", "sft")[: ("base", "sft").index(upto) + 1]
     staging = target.with_name(f".{target.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
-    for folder in ("data", "models/base", "models/sft"):
+    for folder in ("data", *(f"models/{c}" for c in checkpoints)):
         shutil.copytree(source / folder, staging / folder)
-    for checkpoint in ("base", "sft"):
+    for checkpoint in checkpoints:
         for part in (source / "evaluations").glob(f"checkpoint={checkpoint}/*"):
             shutil.copytree(part, staging / part.relative_to(source))
         for part in (source / "rollouts").glob(f"stage=eval-{checkpoint}*"):
             shutil.copytree(part, staging / part.relative_to(source))
     (staging / "state").mkdir()
-    for name in PRE_RL:
+    for name in SHARED_STAGES[upto]:
         record = source / "state" / f"{name}.json"
         if name == "eval-base" and not record.exists():  # eval.base: false
             continue
@@ -169,11 +197,11 @@ def read_run(run_dir: Path, seed: int, mode: str, stage_names: list[str]) -> Run
     pass_at_1 = {
         row["checkpoint"]: row["pass_at_1"] for row in evaluation_rows(run_dir) if row["benchmark"] == "heldout"
     }
-    result = RunResult(seed, mode, run_dir.name, pass_at_1, {m: [] for m in STEP_METRICS})
+    result = RunResult(seed, mode, run_dir.name, pass_at_1, {m: [] for m in RUN_METRICS})
     for stage in stage_names:
         for step, values in stage_steps(run_dir, stage).items():
             values[DRAWN_SHARE] = positive_error_share(read_table(step_part(run_dir, "rollouts", stage, step)))
-            for metric in STEP_METRICS:
+            for metric in RUN_METRICS:
                 result.steps[metric].append(values.get(metric, math.nan))
         result.stage_ends.append(len(result.steps["reward_mean"]))
     summary = run_dir / "summary.json"
@@ -182,7 +210,7 @@ def read_run(run_dir: Path, seed: int, mode: str, stage_names: list[str]) -> Run
     return result
 
 
-def _cell(stats: tuple[float, float, int], percent: bool = False) -> str:
+def format_cell(stats: tuple[float, float, int], percent: bool = False) -> str:
     mean, std, n = stats
     if n == 0:
         return "n/a"
@@ -190,13 +218,21 @@ def _cell(stats: tuple[float, float, int], percent: bool = False) -> str:
     return f"{mean * scale:.1f} ± {std * scale:.1f}" if percent else f"{mean:.3f} ± {std:.3f}"
 
 
-def _plot(results: list[RunResult], path: Path) -> Path:
+def format_gain(stats: tuple[float, float, int]) -> str:
+    """A pass@1 difference in points, signed."""
+    mean, std, n = stats
+    return f"{100 * mean:+.1f} ± {100 * std:.1f}" if n else "n/a"
+
+
+def plot_curves(results: list[RunResult], path: Path, metrics: dict[str, str], label: str) -> Path:
+    """One panel per step metric and one of held-out pass@1, a line per mode (`label: mode`):
+    the mean over seeds, shaded between the lowest and highest seed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [*STEP_METRICS.items(), ("pass_at_1", "held-out pass@1 (avg@k)")]
+    panels = [*metrics.items(), ("pass_at_1", "held-out pass@1 (avg@k)")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
     for ax, (metric, title) in zip(axes, panels):
         for mode in dict.fromkeys(r.mode for r in results):
@@ -207,7 +243,7 @@ def _plot(results: list[RunResult], path: Path) -> Path:
             else:
                 xs = list(range(1, len(runs[0].steps[metric]) + 1))
                 series = [r.steps[metric] for r in runs]
-            columns = [_stats([s[i] for s in series if i < len(s)]) for i in range(len(xs))]
+            columns = [mean_std([s[i] for s in series if i < len(s)]) for i in range(len(xs))]
             means = [c[0] for c in columns]
             lows = [
                 min((s[i] for s in series if i < len(s) and not math.isnan(s[i])), default=math.nan)
@@ -217,7 +253,7 @@ def _plot(results: list[RunResult], path: Path) -> Path:
                 max((s[i] for s in series if i < len(s) and not math.isnan(s[i])), default=math.nan)
                 for i in range(len(xs))
             ]
-            (line,) = ax.plot(xs, means, marker="o", markersize=3, label=f"roc: {mode}")
+            (line,) = ax.plot(xs, means, marker="o", markersize=3, label=f"{label}: {mode}")
             ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("RL step")
@@ -230,12 +266,22 @@ def _plot(results: list[RunResult], path: Path) -> Path:
     return path
 
 
+def run_rows(results: list[RunResult]) -> list[str]:
+    """A Markdown table with a row per run: its pass@1 per checkpoint and wall time."""
+    return ["| run | held-out pass@1 by checkpoint | wall (s) |", "|---|---|---|"] + [
+        f"| `{r.run_id}` | "
+        + " -> ".join(f"{c} {v:.3f}" for c, v in r.pass_at_1.items())
+        + (" | n/a |" if math.isnan(r.wall_s) else f" | {r.wall_s:.0f} |")
+        for r in results
+    ]
+
+
 def write_report(results: list[RunResult], out_dir: Path, command: str) -> Path:
     """report.md (a table per mode: pass@1 after SFT and after RL, the gain, the tool-error
     share among kept positives; RoC's relative reduction; a row per run with its pass@1 per
     checkpoint and wall time) and curves.png, under out_dir."""
     numbers = compare(results)
-    plot = _plot(results, out_dir / "curves.png")
+    plot = plot_curves(results, out_dir / "curves.png", STEP_METRICS, "roc")
     seeds = sorted({r.seed for r in results})
     lines = [
         "# RoC ablation",
@@ -251,11 +297,9 @@ def write_report(results: list[RunResult], out_dir: Path, command: str) -> Path:
         "|---|---|---|---|---|---|",
     ]
     for mode, m in numbers["modes"].items():
-        gain = m["gain"]
-        gain_cell = f"{100 * gain[0]:+.1f} ± {100 * gain[1]:.1f}" if gain[2] else "n/a"
         lines.append(
-            f"| {mode} | {_cell(m['sft'])} | {_cell(m['final'])} | {gain_cell} | "
-            f"{_cell(m['error_share'], percent=True)} | {_cell(m['drawn_error_share'], percent=True)} |"
+            f"| {mode} | {format_cell(m['sft'])} | {format_cell(m['final'])} | {format_gain(m['gain'])} | "
+            f"{format_cell(m['error_share'], percent=True)} | {format_cell(m['drawn_error_share'], percent=True)} |"
         )
     if "relative_reduction" in numbers:
         reduction = numbers["relative_reduction"]
@@ -266,19 +310,12 @@ def write_report(results: list[RunResult], out_dir: Path, command: str) -> Path:
             "Tool-error share among kept positives, roc paper vs off: "
             + (
                 f"{100 * reduction:.0f}% lower (relative); per seed {per_seed}, "
-                f"mean {_cell(_stats(list(by_seed)), True)}%."
+                f"mean {format_cell(mean_std(list(by_seed)), True)}%."
                 if not math.isnan(reduction)
                 else "not measurable (a mode kept no positive trajectory, or off kept no erring one)."
             ),
         ]
-    lines += ["", "| run | held-out pass@1 by checkpoint | wall (s) |", "|---|---|---|"]
-    lines += [
-        f"| `{r.run_id}` | "
-        + " -> ".join(f"{c} {v:.3f}" for c, v in r.pass_at_1.items())
-        + (" | n/a |" if math.isnan(r.wall_s) else f" | {r.wall_s:.0f} |")
-        for r in results
-    ]
-    lines += ["", f"![curves]({plot.name})", ""]
+    lines += ["", *run_rows(results), "", f"![curves]({plot.name})", ""]
     report = write_text("\n".join(lines), out_dir / "report.md")
     print("\n".join(lines))
     return report

@@ -132,6 +132,8 @@ def run_tags(cfg: RunConfig, run_id: str) -> dict:
         "rstar2.run_id": run_id,
         "rstar2.config": cfg.name,
         "rstar2.roc_mode": cfg.rl.roc.mode,
+        "rstar2.sft_mode": cfg.sft.mode,
+        "rstar2.seed": str(cfg.seed),
         "rstar2.scheduler": cfg.engine.scheduler,
     }
 

@@ -63,9 +63,11 @@ def build_base_model(cfg: RunConfig, train: list[Problem], model_dir: Path, log:
     tiny = cfg.model.tiny
     corpus = [p.question + "\n" + p.solution_code for p in train]
     # The tokenizer learns the chat format from SFT examples, but not their broken calls and
-    # tracebacks: a base model that changed with sft.recovery_share would confound comparing it.
-    corpus += ["".join(text for text, _ in example) for example in sft_examples(cfg, recovery=False)[0]]
-    model_dir = build_tiny_model(tiny, corpus, cfg.seed, model_dir)
+    # tracebacks, and always from the same mode's: a base model that changed with
+    # sft.recovery_share or sft.mode would confound comparing them.
+    examples = sft_examples(cfg, recovery=False, mode="non_reasoning")[0]
+    corpus += ["".join(text for text, _ in example) for example in examples]
+    model_dir = build_tiny_model(tiny, corpus, cfg.seed, model_dir, cfg.rollout.tool_name)
     if tiny.pretrain_steps:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         # Constant after warm-up: a decaying rate slowed the problem phase that follows the drills.
