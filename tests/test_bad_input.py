@@ -91,6 +91,11 @@ def test_ablate_checks_before_its_first_run(tmp_path):
     assert line.startswith(f"{TINY}: rl.roc.mode: Input should be 'paper', 'release' or 'off'")
 
 
+def test_coldstart_checks_before_its_first_run(tmp_path):
+    line = refused(tmp_path / "out", "--set", "sft.mode=thinking", command="coldstart")
+    assert line.startswith(f"{TINY}: sft.mode: Input should be 'non_reasoning' or 'reasoning'")
+
+
 @pytest.mark.parametrize(
     "files, message",
     [

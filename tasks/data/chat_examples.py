@@ -149,7 +149,7 @@ def build_sft_examples(
         tasks = [(f"Use the Python tool. {p.question}", p.solution_code, p.answer) for p in problems]
         n_chat = 0
     else:
-        tasks = [(question, code, answer) for _, question, code, answer in tool_tasks(n_tool, rng)]
+        tasks = tool_tasks(n_tool, rng)
         n_chat = (n - n_tool) // 3
     examples = [recovery_example(*task, tool_name, tool_spec, rng) for task in tasks[:n_recovery]]
     examples += [tool_call_example(*task, tool_name, tool_spec) for task in tasks[n_recovery:]]

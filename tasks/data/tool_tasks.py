@@ -146,13 +146,9 @@ TOOL_TASKS: dict[str, Callable[[random.Random], Task]] = {
 }
 
 
-def tool_tasks(n: int, rng: random.Random) -> list[tuple[str, str, str, str]]:
-    """n (kind, question, program, answer), kinds drawn uniformly."""
-    tasks = []
-    for _ in range(n):
-        kind = rng.choice(sorted(TOOL_TASKS))
-        tasks.append((kind, *TOOL_TASKS[kind](rng)))
-    return tasks
+def tool_tasks(n: int, rng: random.Random) -> list[Task]:
+    """n tasks, their kinds drawn uniformly."""
+    return [TOOL_TASKS[rng.choice(sorted(TOOL_TASKS))](rng) for _ in range(n)]
 
 
 # Short chats: the assistant answers in words, with no tool and no answer block.
