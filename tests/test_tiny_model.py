@@ -4,6 +4,7 @@ tokenizer keeps the format's tags and the tool's name whole and splits numbers i
 Run: .venv/bin/python -m pytest tests/test_tiny_model.py -q
 """
 
+import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tasks.config import TinyModelConfig
@@ -15,10 +16,10 @@ TOOL = "execute_python_code_with_standard_io"
 CORPUS = [p.question + "\n" + p.solution_code for p in generate_problems(200, [1, 2, 3], seed=0)]
 
 
-def _build(path, seed=0):
+def _build(path, seed=0, cfg=CFG):
     from tasks.train.tiny_model import build_tiny_model
 
-    return build_tiny_model(CFG, CORPUS, seed, path)
+    return build_tiny_model(cfg, CORPUS, seed, path)
 
 
 def test_same_seed_same_files(tmp_path):
@@ -30,9 +31,12 @@ def test_same_seed_same_files(tmp_path):
     ).read_bytes()
 
 
-def test_loads_as_a_qwen3_causal_lm_with_untied_embeddings(tmp_path):
-    model = AutoModelForCausalLM.from_pretrained(_build(tmp_path / "m"))
-    assert type(model).__name__ == "Qwen3ForCausalLM" and not model.config.tie_word_embeddings
+@pytest.mark.parametrize("architecture, model_class", [("qwen3", "Qwen3ForCausalLM"), ("qwen2", "Qwen2ForCausalLM")])
+def test_loads_as_a_qwen_causal_lm_with_untied_embeddings(tmp_path, architecture, model_class):
+    model = AutoModelForCausalLM.from_pretrained(
+        _build(tmp_path / "m", cfg=CFG.model_copy(update={"architecture": architecture}))
+    )
+    assert type(model).__name__ == model_class and not model.config.tie_word_embeddings
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "m")
     assert model.config.vocab_size >= len(tokenizer) and tokenizer.eos_token == IM_END
 

@@ -22,8 +22,11 @@ class _Strict(BaseModel):
 
 
 class TinyModelConfig(_Strict):
-    """Qwen3 causal LM trained from scratch when no real model path is given."""
+    """A Qwen-family causal LM trained from scratch when no real model path is given."""
 
+    # qwen3: the paper's base family (a norm on queries and keys); qwen2: the same layers without
+    # it, with biases on q, k and v. Both load in transformers and vLLM like real checkpoints.
+    architecture: Literal["qwen2", "qwen3"] = "qwen3"
     vocab_size: int = 2048
     hidden_size: int = 256
     num_layers: int = 4

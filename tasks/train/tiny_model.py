@@ -1,8 +1,8 @@
-"""The embedded default model: a byte-level BPE tokenizer and a Qwen3 LM from scratch.
+"""The embedded default model: a byte-level BPE tokenizer and a Qwen2 or Qwen3 LM from scratch.
 
-Both are saved as one Hugging Face directory that transformers and vLLM load as they load
-Qwen3-14B-Base, the paper's base model: the default exercises the paper config's model class.
-Everything is deterministic from the corpus and the seed.
+Both are saved as one Hugging Face directory that transformers and vLLM load like any real
+model (a Qwen3 one as they load Qwen3-14B-Base, the paper's base model). Everything is
+deterministic from the corpus and the seed.
 """
 
 from __future__ import annotations
@@ -12,7 +12,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from tasks.config import RolloutConfig, TinyModelConfig
 from tasks.rollout.format import END_OF_TEXT, IM_END, SPECIAL_TOKENS, TAG_TOKENS
@@ -47,7 +54,10 @@ def build_tiny_model(
     """Train the tokenizer, initialise the model from the seed, save both to out_dir."""
     tokenizer = train_tokenizer(corpus, cfg.vocab_size, tool_name)
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
-    config = Qwen3Config(
+    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[
+        cfg.architecture
+    ]
+    config = config_class(
         vocab_size=64 * -(-len(tokenizer) // 64),  # rounded up: friendlier matmul shapes
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -63,7 +73,7 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    model = model_class(config)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
