@@ -24,8 +24,7 @@ class _Strict(BaseModel):
 class TinyModelConfig(_Strict):
     """A Qwen-family causal LM trained from scratch when no real model path is given."""
 
-    # qwen3: the paper's base family (a norm on queries and keys); qwen2: the same layers without
-    # it, with biases on q, k and v. Both load in transformers and vLLM like real checkpoints.
+    # qwen3: the paper's base family (norms on queries and keys); qwen2: biases on q, k, v instead
     architecture: Literal["qwen2", "qwen3"] = "qwen3"
     vocab_size: int = 2048
     hidden_size: int = 256
@@ -151,9 +150,8 @@ SftMode = Literal["non_reasoning", "reasoning"]
 class SftConfig(_Strict):
     sources: list[SftSourceConfig] = [SftSourceConfig(name="generated")]
     n_examples: int = 2000  # of the generated source
-    # What the generated source teaches (tasks/data/chat_examples.py). non_reasoning (the paper):
-    # calling the tool on tasks that are not the RL problems, answer formats, chat. reasoning:
-    # the programs that solve problems of the RL kinds, the other arm of the cold-start experiment.
+    # What the generated source teaches (tasks/data/chat_examples.py): non_reasoning (the paper)
+    # or reasoning (programs solving problems of the RL kinds; the cold-start experiment's other arm)
     mode: SftMode = "non_reasoning"
     # Of the generated tool-call examples, the share whose first call fails (half malformed, half
     # a failing program) and is corrected; the failed call is context, not a target. Without
