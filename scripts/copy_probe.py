@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from tasks.config import OptimConfig, RolloutConfig, TinyModelConfig
+from tasks.config import OptimConfig, TinyModelConfig
 from tasks.data.pretrain import pretraining_phases
 from tasks.data.problems import generate_problems
 from tasks.train.supervised import epoch_batches
@@ -85,7 +85,7 @@ def main() -> None:
     trainer = Trainer(model_dir, optim, args.steps, "float32", 0, args.threads)
     problems = generate_problems(64, LEVELS, seed=777)
     step, started = 0, time.perf_counter()
-    for samples, steps in pretraining_phases(tokenizer, tiny, LEVELS, seed=0, tool_name=RolloutConfig().tool_name):
+    for samples, steps in pretraining_phases(tokenizer, tiny, LEVELS, seed=0):
         for batch in epoch_batches(samples, args.batch, steps, seed=0):
             metrics = trainer.sft_step(batch)
             step += 1

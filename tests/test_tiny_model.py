@@ -12,7 +12,6 @@ from tasks.data.problems import generate_problems
 from tasks.rollout.format import IM_END, TAG_TOKENS, tool_call_text
 
 CFG = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=1, num_kv_heads=1, intermediate_size=128)
-TOOL = "execute_python_code_with_standard_io"
 CORPUS = [p.question + "\n" + p.solution_code for p in generate_problems(200, [1, 2, 3], seed=0)]
 
 
@@ -61,16 +60,13 @@ def test_pretraining_starts_with_copy_drills_then_problems(tmp_path):
     tiny = CFG.model_copy(
         update={"pretrain_steps": 10, "pretrain_copy_share": 0.3, "pretrain_batch_size": 2, "pretrain_seq_len": 32}
     )
-    (drills, drill_steps), (problems, problem_steps) = pretraining_phases(
-        tokenizer, tiny, [1, 2], seed=0, tool_name=TOOL
-    )
+    (drills, drill_steps), (problems, problem_steps) = pretraining_phases(tokenizer, tiny, [1, 2], seed=0)
     assert (drill_steps, problem_steps) == (3, 7)
     assert all(len(s.token_ids) == 32 and all(s.loss_mask) for s in drills + problems)
     assert "Repeat:" in tokenizer.decode(drills[0].token_ids)
     assert any("print(" in tokenizer.decode(s.token_ids) for s in problems)
-    assert any("<tool_call>" in tokenizer.decode(s.token_ids) for s in problems)  # some run their program
     no_drills = tiny.model_copy(update={"pretrain_copy_share": 0.0})
-    assert [steps for _, steps in pretraining_phases(tokenizer, no_drills, [1, 2], seed=0, tool_name=TOOL)] == [10]
+    assert [steps for _, steps in pretraining_phases(tokenizer, no_drills, [1, 2], seed=0)] == [10]
 
 
 def test_epoch_batches_cover_each_sample_once_per_epoch():

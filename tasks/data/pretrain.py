@@ -17,7 +17,6 @@ import random
 
 from tasks.config import TinyModelConfig
 from tasks.data.problems import problem_statements
-from tasks.rollout.format import tool_call_text
 from tasks.train.sample import Sample
 
 
@@ -33,18 +32,8 @@ def copy_documents(n: int, seed: int) -> list[str]:
     return documents
 
 
-def pretraining_documents(n: int, levels: list[int], seed: int, tool_name: str) -> list[str]:
-    """Problem statements each followed by its program: as plain text, or (half of them) as a tool
-    call that runs it, with no chat turns and no answer. A real base model has seen code inside
-    JSON and function calls too (Qwen3's pre-training includes tool-use data); the tiny one, shown
-    programs only as plain text, wrote none of them inside a tool call after a non-reasoning SFT:
-    held-out pass@1 0.000 after SFT, every call one of the SFT tasks' programs (LOG.md, 2026-11-25
-    non-reasoning-SFT entry)."""
-    rng = random.Random(seed)
-    return [
-        f"{question}\n{tool_call_text(tool_name, code) if rng.random() < 0.5 else code}\n"
-        for _, _, question, code in problem_statements(n, levels, seed)
-    ]
+def pretraining_documents(n: int, levels: list[int], seed: int) -> list[str]:
+    return [f"{question}\n{code}\n" for _, _, question, code in problem_statements(n, levels, seed)]
 
 
 def pack_documents(tokenizer, documents: list[str], seq_len: int) -> list[list[int]]:
@@ -57,7 +46,7 @@ def pack_documents(tokenizer, documents: list[str], seq_len: int) -> list[list[i
 
 
 def pretraining_phases(
-    tokenizer, tiny: TinyModelConfig, levels: list[int], seed: int, tool_name: str
+    tokenizer, tiny: TinyModelConfig, levels: list[int], seed: int
 ) -> list[tuple[list[Sample], int]]:
     """(packed samples, optimizer steps) per phase of the tiny model's pre-training: copy drills
     first, so the copy mechanism forms, then problem documents."""
@@ -67,9 +56,7 @@ def pretraining_phases(
         if not steps:
             continue
         n = steps * tiny.pretrain_batch_size * 8  # documents are far shorter than a sequence
-        texts = (
-            copy_documents(n, seed + 5) if documents else pretraining_documents(n, levels, seed + 2_000_003, tool_name)
-        )
+        texts = copy_documents(n, seed + 5) if documents else pretraining_documents(n, levels, seed + 2_000_003)
         packed = pack_documents(tokenizer, texts, tiny.pretrain_seq_len)
         phases.append(([Sample(ids, [1] * len(ids)) for ids in packed], steps))
     return phases

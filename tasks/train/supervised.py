@@ -81,7 +81,7 @@ def build_base_model(cfg: RunConfig, train: list[Problem], model_dir: Path, log:
         )
         trainer = Trainer(model_dir, optim, tiny.pretrain_steps, cfg.model.dtype, cfg.seed, cfg.trainer_threads)
         first = 0
-        for samples, steps in pretraining_phases(tokenizer, tiny, cfg.data.levels, cfg.seed, cfg.rollout.tool_name):
+        for samples, steps in pretraining_phases(tokenizer, tiny, cfg.data.levels, cfg.seed):
             train_steps(trainer, samples, tiny.pretrain_batch_size, steps, cfg.seed, "pretrain", log, first)
             first += steps
         trainer.save_pretrained(model_dir)
