@@ -4,7 +4,9 @@ seeds, compared in one report (the paper's Fig. 4 in miniature).
 The runs of one seed share everything before RL (curated data, base and SFT policies and their
 evaluations: the RoC mode changes nothing there), so the later modes start from a copy of the
 first one's run folder instead of training the same SFT policy again. `compare` is pure; the
-rest reads the runs' tables and writes the report (Markdown and PNG plots).
+rest reads the runs' tables and writes the report (Markdown and PNG plots). Reading runs, copying
+a run up to a policy, the per-run table and the curves serve the cold-start report too
+(tasks/summary/cold_start.py).
 """
 
 from __future__ import annotations
