@@ -19,6 +19,7 @@ def small_run(stages: list[dict]) -> dict:
     return {
         "data.n_train": 16,
         "data.n_heldout": 4,
+        "model.tiny.pretrain_copy_steps": 0,
         "model.tiny.pretrain_steps": 2,
         "sft.n_examples": 64,
         "sft.epochs": 1,

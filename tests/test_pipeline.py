@@ -51,6 +51,7 @@ def run(tmp_path_factory):
         "output_dir": str(output_dir),
         "data.n_train": 48,
         "data.n_heldout": 6,
+        "model.tiny.pretrain_copy_steps": 0,
         "model.tiny.pretrain_steps": 2,
         "sft.n_examples": 96,
         "sft.epochs": 1,

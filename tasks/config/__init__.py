@@ -14,43 +14,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tasks.config.cluster import ClusterConfig
+from tasks.config.model import ModelConfig, PretrainLayouts, TinyModelConfig
 
 
 class _Strict(BaseModel):
     # A misspelt key in a YAML file must fail loudly, not be silently ignored.
     model_config = ConfigDict(extra="forbid")
-
-
-class TinyModelConfig(_Strict):
-    """A Qwen-family causal LM trained from scratch when no real model path is given."""
-
-    # qwen3: the paper's base family (norms on queries and keys); qwen2: biases on q, k, v instead
-    architecture: Literal["qwen2", "qwen3"] = "qwen3"
-    vocab_size: int = 2048
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 512
-    max_position_embeddings: int = 2048
-    # Language-model pre-training (generated from seeds disjoint from the curated splits): a
-    # real base model arrives able to copy numbers, read them and write Python; the tiny one
-    # learns it here, first on copy drills (the first `pretrain_copy_share` of the steps), then on
-    # problem statements and their programs.
-    pretrain_steps: int = 0
-    pretrain_copy_share: float = Field(0.5, ge=0.0, le=1.0)
-    pretrain_batch_size: int = 32
-    pretrain_seq_len: int = 256
-    pretrain_lr: float = 3e-4
-
-
-class ModelConfig(_Strict):
-    path: str | None = None  # a Hugging Face model directory; None builds the tiny model
-    tiny: TinyModelConfig = TinyModelConfig()
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    # Billions of parameters, for `rstar2 plan` where model.path is not readable (planning away
-    # from the cluster); the model's config.json wins where it is.
-    parameters_b: float | None = Field(None, gt=0)
 
 
 class _Source(_Strict):
@@ -159,6 +128,11 @@ class SftConfig(_Strict):
     # errors for RoC to filter (0.1%); with 0.3 (the tiny default), 7-9% do
     # (LOG.md, 2026-11-24 recovery-from-malformed-calls entry).
     recovery_share: float = Field(0.0, ge=0.0, le=1.0)
+    # The tiny model only: this share of the SFT samples replays its pre-training documents (the
+    # layouts of model.tiny.pretrain_layouts), so that SFT on other tasks' templates does not
+    # overwrite the problem -> program ability the base model has (a real base model's is too
+    # broad for a short SFT to erase).
+    replay_share: float = Field(0.0, ge=0.0, lt=1.0)
     epochs: int = 3
     batch_size: int = 32
     max_len: int = 512
@@ -397,4 +371,14 @@ def default_config_path() -> Path:
     return Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
 
-__all__ = ["RunConfig", "StageConfig", "ConfigError", "InputError", "load_config", "default_config_path"]
+__all__ = [
+    "RunConfig",
+    "ModelConfig",
+    "PretrainLayouts",
+    "TinyModelConfig",
+    "StageConfig",
+    "ConfigError",
+    "InputError",
+    "load_config",
+    "default_config_path",
+]

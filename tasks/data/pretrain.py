@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import random
 
-from tasks.config import TinyModelConfig
+from tasks.config import PretrainLayouts, TinyModelConfig
+from tasks.data.chat_examples import tool_call_example
 from tasks.data.problems import problem_statements
+from tasks.data.tool_tasks import tool_tasks
+from tasks.rollout.format import tool_call_text
 from tasks.train.sample import Sample
 
 
@@ -32,8 +35,26 @@ def copy_documents(n: int, seed: int) -> list[str]:
     return documents
 
 
-def pretraining_documents(n: int, levels: list[int], seed: int) -> list[str]:
-    return [f"{question}\n{code}\n" for _, _, question, code in problem_statements(n, levels, seed)]
+def pretraining_documents(
+    n: int, levels: list[int], seed: int, layouts: PretrainLayouts, tool_name: str, tool_spec: str
+) -> list[str]:
+    """n documents, each layout drawn by its share: problem statements of the RL kinds followed by
+    their program as plain text or as a bare tool call, and whole rollout-format transcripts of
+    tool tasks that are not RL kinds (so the chat form is not new to the model, while the RL
+    kinds never appear in it)."""
+    rng = random.Random(seed)
+    names = ["plain", "tool_call", "chat"]
+    drawn = rng.choices(names, weights=[getattr(layouts, name) for name in names], k=n)
+    statements = problem_statements(sum(layout != "chat" for layout in drawn), levels, seed)
+    documents = []
+    for layout in drawn:
+        if layout == "chat":
+            transcript = tool_call_example(*tool_tasks(1, rng)[0], tool_name, tool_spec)
+            documents.append("".join(text for text, _ in transcript))
+            continue
+        _, _, question, code = next(statements)
+        documents.append(f"{question}\n{code if layout == 'plain' else tool_call_text(tool_name, code)}\n")
+    return documents
 
 
 def pack_documents(tokenizer, documents: list[str], seq_len: int) -> list[list[int]]:
@@ -45,18 +66,32 @@ def pack_documents(tokenizer, documents: list[str], seq_len: int) -> list[list[i
     return [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
 
 
-def pretraining_phases(
-    tokenizer, tiny: TinyModelConfig, levels: list[int], seed: int
-) -> list[tuple[list[Sample], int]]:
-    """(packed samples, optimizer steps) per phase of the tiny model's pre-training: copy drills
-    first, so the copy mechanism forms, then problem documents."""
-    copy_steps = round(tiny.pretrain_steps * tiny.pretrain_copy_share)
-    phases = []
-    for documents, steps in ((copy_documents, copy_steps), (None, tiny.pretrain_steps - copy_steps)):
-        if not steps:
-            continue
-        n = steps * tiny.pretrain_batch_size * 8  # documents are far shorter than a sequence
-        texts = copy_documents(n, seed + 5) if documents else pretraining_documents(n, levels, seed + 2_000_003)
-        packed = pack_documents(tokenizer, texts, tiny.pretrain_seq_len)
-        phases.append(([Sample(ids, [1] * len(ids)) for ids in packed], steps))
-    return phases
+def packed_samples(tokenizer, documents: list[str], seq_len: int) -> list[Sample]:
+    return [Sample(ids, [1] * len(ids)) for ids in pack_documents(tokenizer, documents, seq_len)]
+
+
+def copy_drill_samples(tokenizer, tiny: TinyModelConfig, seed: int) -> list[Sample]:
+    """Enough packed copy drills for the most drill steps the config allows."""
+    n = tiny.pretrain_copy_steps * tiny.pretrain_batch_size * tiny.pretrain_seq_len // 24  # ~30 tokens each
+    return packed_samples(tokenizer, copy_documents(n, seed + 5), tiny.pretrain_seq_len)
+
+
+def copy_probe_samples(tokenizer, n: int, seed: int) -> list[Sample]:
+    """n fresh drills, one a sample, with only the copy as the target: the copy mechanism has
+    formed when the model reproduces them exactly (`Trainer.exact_match`)."""
+    samples = []
+    for document in copy_documents(n, seed):
+        prefix, _, copy = document.rpartition("\n")[0].rpartition("\n")
+        first = tokenizer(prefix + "\n", add_special_tokens=False).input_ids
+        second = tokenizer(copy, add_special_tokens=False).input_ids
+        samples.append(Sample(first + second, [0] * len(first) + [1] * len(second)))
+    return samples
+
+
+def document_samples(
+    tokenizer, tiny: TinyModelConfig, levels: list[int], seed: int, tool_name: str, tool_spec: str
+) -> list[Sample]:
+    """Enough packed documents (every layout the config shares out) for the document steps."""
+    n = tiny.pretrain_steps * tiny.pretrain_batch_size * tiny.pretrain_seq_len // 32  # ~45 tokens or more
+    documents = pretraining_documents(n, levels, seed + 2_000_003, tiny.pretrain_layouts, tool_name, tool_spec)
+    return packed_samples(tokenizer, documents, tiny.pretrain_seq_len)

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from tasks.config import OptimConfig, RunConfig
 from tasks.data.chat_examples import Segments, sft_examples, tokenize_segments
-from tasks.data.pretrain import pretraining_phases
+from tasks.data.pretrain import copy_drill_samples, copy_probe_samples, document_samples
 from tasks.data.problems import Problem
 from tasks.train.sample import Sample
 from tasks.train.tiny_model import build_tiny_model
@@ -43,15 +43,22 @@ def train_steps(
     desc: str,
     log: Log,
     first_step: int = 0,
-) -> None:
-    """`steps` optimizer steps over shuffled epochs of the samples, with a progress bar; metrics
-    are logged as `<desc>/<name>` from `first_step` on (a later phase continues the curve)."""
+    until: Callable[[int], bool] | None = None,
+) -> int:
+    """At most `steps` optimizer steps over shuffled epochs of the samples, with a progress bar;
+    metrics are logged as `<desc>/<name>` from `first_step` on (a later phase continues the
+    curve). `until(step)`, asked every 25 steps, ends the loop early. Returns the steps taken."""
+    taken = 0
     with tqdm(total=steps, desc=desc, disable=None) as progress:
         for step, batch in enumerate(epoch_batches(samples, batch_size, steps, seed)):
             metrics = trainer.sft_step(batch)
             log({f"{desc}/{k}": v for k, v in metrics.items()}, first_step + step)
             progress.set_postfix(loss=f"{metrics['loss']:.3f}")
             progress.update(1)
+            taken = step + 1
+            if until and taken % 25 == 0 and until(first_step + step):
+                break
+    return taken
 
 
 def build_base_model(cfg: RunConfig, train: list[Problem], model_dir: Path, log: Log) -> tuple[Path, int]:
@@ -68,24 +75,36 @@ def build_base_model(cfg: RunConfig, train: list[Problem], model_dir: Path, log:
     examples = sft_examples(cfg, recovery=False, mode="non_reasoning")[0]
     corpus += ["".join(text for text, _ in example) for example in examples]
     model_dir = build_tiny_model(tiny, corpus, cfg.seed, model_dir, cfg.rollout.tool_name)
-    if tiny.pretrain_steps:
+    steps = tiny.pretrain_copy_steps + tiny.pretrain_steps
+    if steps:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         # Constant after warm-up: a decaying rate slowed the problem phase that follows the drills.
         # Micro-batches of 8 sequences: 9% faster than 16 on two cores, the same gradient (LOG.md).
         optim = OptimConfig(
-            lr=tiny.pretrain_lr,
-            schedule="constant",
-            warmup_steps=tiny.pretrain_steps // 40,
-            zero_stage=1,
-            micro_batch_size=8,
+            lr=tiny.pretrain_lr, schedule="constant", warmup_steps=steps // 40, zero_stage=1, micro_batch_size=8
         )
-        trainer = Trainer(model_dir, optim, tiny.pretrain_steps, cfg.model.dtype, cfg.seed, cfg.trainer_threads)
-        first = 0
-        for samples, steps in pretraining_phases(tokenizer, tiny, cfg.data.levels, cfg.seed):
-            train_steps(trainer, samples, tiny.pretrain_batch_size, steps, cfg.seed, "pretrain", log, first)
-            first += steps
+        trainer = Trainer(model_dir, optim, steps, cfg.model.dtype, cfg.seed, cfg.trainer_threads)
+        drills = copy_drill_samples(tokenizer, tiny, cfg.seed)
+        probe = copy_probe_samples(tokenizer, 64, cfg.seed + 7)
+
+        def copying(step: int) -> bool:
+            # The copy mechanism forms suddenly, after a number of steps that varies with the
+            # initialisation; documents before it teach no program (LOG.md, 2026-11-26 entry).
+            exact = trainer.exact_match(probe)
+            log({"pretrain/copy_exact": exact}, step)
+            return exact >= tiny.pretrain_copy_until
+
+        copy_steps = train_steps(
+            trainer, drills, tiny.pretrain_batch_size, tiny.pretrain_copy_steps, cfg.seed, "pretrain", log, 0, copying
+        )
+        documents = document_samples(
+            tokenizer, tiny, cfg.data.levels, cfg.seed, cfg.rollout.tool_name, cfg.rollout.tool_spec
+        )
+        batch = tiny.pretrain_batch_size
+        train_steps(trainer, documents, batch, tiny.pretrain_steps, cfg.seed, "pretrain", log, copy_steps)
         trainer.save_pretrained(model_dir)
-    return model_dir, tiny.pretrain_steps
+        steps = copy_steps + tiny.pretrain_steps
+    return model_dir, steps
 
 
 def train_sft(
@@ -100,6 +119,12 @@ def train_sft(
         ids, mask = tokenize_segments(tokenizer, example)
         if len(ids) <= cfg.sft.max_len:  # longer examples would be cut mid-format
             samples.append(Sample(ids, mask))
+    if cfg.sft.replay_share and not cfg.model.path:
+        tiny = cfg.model.tiny
+        replay = document_samples(
+            tokenizer, tiny, cfg.data.levels, cfg.seed + 1, cfg.rollout.tool_name, cfg.rollout.tool_spec
+        )
+        samples += replay[: round(len(samples) * cfg.sft.replay_share / (1 - cfg.sft.replay_share))]
     total = max(len(samples) // cfg.sft.batch_size, 1) * cfg.sft.epochs
     optim = cfg.sft.optim.model_copy(update={"warmup_steps": round(cfg.sft.warmup_ratio * total)})
     trainer = start_trainer(base_dir, optim, total)

@@ -223,6 +223,19 @@ class Trainer:
         metrics["lr"] = self.engine.get_lr()[0]
         return metrics
 
+    @torch.no_grad()
+    def exact_match(self, samples: list[Sample]) -> float:
+        """The share of samples whose every target token is the model's most likely next token:
+        teacher-forced, so the share greedy decoding would reproduce exactly, in one pass."""
+        self.engine.eval()
+        exact = 0
+        with self._threads():
+            for ids, attention, target_mask, _ in self._micro_batches(samples):
+                right = (self._logits(ids, attention).argmax(-1) == ids[:, 1:]) | (target_mask == 0)
+                exact += int(right.all(dim=1).sum())
+        self.engine.train()
+        return exact / max(len(samples), 1)
+
     # -- updates ------------------------------------------------------------------------------
 
     def sft_step(self, samples: list[Sample]) -> dict:

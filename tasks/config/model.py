@@ -1,0 +1,63 @@
+"""The `model:` section of a run config: a real model directory, or the tiny model the run
+builds and pre-trains from scratch (the embedded default)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PretrainLayouts(_Strict):
+    """Shares of the documents after the copy drills, by layout (tasks/data/pretrain.py). A real
+    base model has seen a program in prose, inside function calls and in chat transcripts; one
+    that saw a single layout writes the program only there."""
+
+    plain: float = Field(1.0, ge=0.0)  # `question\nprogram`, RL kinds
+    tool_call: float = Field(0.0, ge=0.0)  # `question\n<tool_call>{... program ...}</tool_call>`, RL kinds
+    chat: float = Field(0.0, ge=0.0)  # whole rollout-format transcripts of tool tasks, never RL kinds
+
+    @model_validator(mode="after")
+    def _some_layout(self) -> PretrainLayouts:
+        if self.plain + self.tool_call + self.chat <= 0:
+            raise ValueError("at least one layout needs a share above 0")
+        return self
+
+
+class TinyModelConfig(_Strict):
+    """A Qwen-family causal LM trained from scratch when no real model path is given."""
+
+    # qwen3: the paper's base family (norms on queries and keys); qwen2: biases on q, k, v instead
+    architecture: Literal["qwen2", "qwen3"] = "qwen3"
+    vocab_size: int = 2048
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    max_position_embeddings: int = 2048
+    # Language-model pre-training (generated from seeds disjoint from the curated splits): a
+    # real base model arrives able to copy numbers, read them and write Python; the tiny one
+    # learns it here, first on copy drills until the copy mechanism has formed (greedy copies of
+    # fresh drills exact `pretrain_copy_until` of the time, checked every 25 steps; at most
+    # `pretrain_copy_steps`), then `pretrain_steps` on problem statements and their programs.
+    pretrain_copy_steps: int = Field(0, ge=0)
+    pretrain_copy_until: float = Field(0.9, gt=0.0, le=1.0)
+    pretrain_steps: int = Field(0, ge=0)
+    pretrain_layouts: PretrainLayouts = PretrainLayouts()
+    pretrain_batch_size: int = 32
+    pretrain_seq_len: int = 256
+    pretrain_lr: float = 3e-4
+
+
+class ModelConfig(_Strict):
+    path: str | None = None  # a Hugging Face model directory; None builds the tiny model
+    tiny: TinyModelConfig = TinyModelConfig()
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # Billions of parameters, for `rstar2 plan` where model.path is not readable (planning away
+    # from the cluster); the model's config.json wins where it is.
+    parameters_b: float | None = Field(None, gt=0)
