@@ -173,3 +173,24 @@ def test_the_non_reasoning_set_shares_no_kind_and_no_8gram_with_the_rl_problems(
         assert not shared, _example_text(shared[0]) if shared else ""
     else:  # the check can see overlap: the reasoning arm is made of the RL kinds
         assert len(shared) > len(examples) // 2
+
+
+def test_sft_replays_the_share_of_pre_training_documents_asked_for(tmp_path) -> None:
+    from transformers import AutoTokenizer
+
+    from tasks.data.chat_examples import sft_examples
+    from tasks.data.problems import generate_problems
+    from tasks.train.supervised import sft_samples
+    from tasks.train.tiny_model import build_tiny_model
+
+    cfg = load_config(Path("configs/tiny.yaml"), {"sft.n_examples": 60, "sft.replay_share": 0.25})
+    corpus = [p.question + "\n" + p.solution_code for p in generate_problems(50, [1, 2], seed=0)]
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(cfg.model.tiny, corpus, 0, tmp_path / "m"))
+    examples = sft_examples(cfg)[0]
+    samples = sft_samples(cfg, examples, tokenizer)
+    replayed = [s for s in samples if all(s.loss_mask)]  # documents: every token a target
+    kept = len(samples) - len(replayed)  # the examples that fit sft.max_len
+    assert kept > 30 and len(replayed) == round(kept / 3)  # a quarter of all samples
+    assert all(len(s.token_ids) == cfg.model.tiny.pretrain_seq_len for s in replayed)
+    no_replay = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"replay_share": 0.0})})
+    assert len(sft_samples(no_replay, examples, tokenizer)) == kept

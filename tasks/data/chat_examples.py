@@ -11,9 +11,9 @@ question:
   answers, the assistant reports what it printed; in a `recovery_share` of them a failed call and
   its error come first), answer-format instructions and short chats. The math reasoning is left
   to the base model's pre-training and to RL.
-- `reasoning`: "Use the Python tool. <problem>" and the program that solves it, for problems of
-  the RL kinds (from a seed disjoint from the curated splits): reasoning in code form, as a
-  reasoning SFT would teach it.
+- `reasoning`: problems of the RL kinds (from a seed disjoint from the curated splits), posed
+  as RL poses them, and the program that solves each: reasoning in code form, as a reasoning SFT
+  would teach it.
 Each example is a list of (text, trainable) segments in the rollout format.
 """
 
@@ -146,7 +146,7 @@ def build_sft_examples(
     if mode == "reasoning":
         # Offset the seed so these problems are not the curated train/held-out problems.
         problems = generate_problems(n_tool, levels, seed=seed + 1_000_003)
-        tasks = [(f"Use the Python tool. {p.question}", p.solution_code, p.answer) for p in problems]
+        tasks = [(p.question, p.solution_code, p.answer) for p in problems]
         n_chat = 0
     else:
         tasks = tool_tasks(n_tool, rng)

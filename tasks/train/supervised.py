@@ -86,17 +86,23 @@ def build_base_model(cfg: RunConfig, train: list[Problem], model_dir: Path, log:
         trainer = Trainer(model_dir, optim, steps, cfg.model.dtype, cfg.seed, cfg.trainer_threads)
         drills = copy_drill_samples(tokenizer, tiny, cfg.seed)
         probe = copy_probe_samples(tokenizer, 64, cfg.seed + 7)
+        formed: list[int] = []
 
         def copying(step: int) -> bool:
             # The copy mechanism forms suddenly, after a number of steps that varies with the
             # initialisation; documents before it teach no program (LOG.md, 2026-11-26 entry).
             exact = trainer.exact_match(probe)
             log({"pretrain/copy_exact": exact}, step)
-            return exact >= tiny.pretrain_copy_until
+            if exact >= tiny.pretrain_copy_until:
+                formed.append(step + 1)
+                print(f"copy drills: copying formed by step {step + 1} (fresh drills copied exactly: {exact:.2f})")
+            return bool(formed)
 
         copy_steps = train_steps(
             trainer, drills, tiny.pretrain_batch_size, tiny.pretrain_copy_steps, cfg.seed, "pretrain", log, 0, copying
         )
+        if copy_steps and not formed:
+            print(f"copy drills: copying had not formed after {copy_steps} steps; the base model may not copy numbers")
         documents = document_samples(
             tokenizer, tiny, cfg.data.levels, cfg.seed, cfg.rollout.tool_name, cfg.rollout.tool_spec
         )
@@ -107,24 +113,29 @@ def build_base_model(cfg: RunConfig, train: list[Problem], model_dir: Path, log:
     return model_dir, steps
 
 
-def train_sft(
-    cfg: RunConfig, examples: list[Segments], base_dir: Path, out_dir: Path, log: Log, start_trainer: StartTrainer
-) -> tuple[Path, int]:
-    """Non-reasoning SFT of the base policy on the examples, with the trainer `start_trainer`
-    starts (the run's trainer ranks); returns the SFT model directory (`out_dir`, tokenizer
-    included) and its steps."""
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+def sft_samples(cfg: RunConfig, examples: list[Segments], tokenizer) -> list[Sample]:
+    """The examples as samples (those longer than sft.max_len left out: they would be cut
+    mid-format), and for the tiny model a `replay_share` of pre-training documents."""
     samples = []
     for example in examples:
         ids, mask = tokenize_segments(tokenizer, example)
-        if len(ids) <= cfg.sft.max_len:  # longer examples would be cut mid-format
+        if len(ids) <= cfg.sft.max_len:
             samples.append(Sample(ids, mask))
     if cfg.sft.replay_share and not cfg.model.path:
-        tiny = cfg.model.tiny
-        replay = document_samples(
-            tokenizer, tiny, cfg.data.levels, cfg.seed + 1, cfg.rollout.tool_name, cfg.rollout.tool_spec
-        )
+        tiny, rollout = cfg.model.tiny, cfg.rollout
+        replay = document_samples(tokenizer, tiny, cfg.data.levels, cfg.seed + 1, rollout.tool_name, rollout.tool_spec)
         samples += replay[: round(len(samples) * cfg.sft.replay_share / (1 - cfg.sft.replay_share))]
+    return samples
+
+
+def train_sft(
+    cfg: RunConfig, examples: list[Segments], base_dir: Path, out_dir: Path, log: Log, start_trainer: StartTrainer
+) -> tuple[Path, int]:
+    """SFT of the base policy on the examples, with the trainer `start_trainer`
+    starts (the run's trainer ranks); returns the SFT model directory (`out_dir`, tokenizer
+    included) and its steps."""
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    samples = sft_samples(cfg, examples, tokenizer)
     total = max(len(samples) // cfg.sft.batch_size, 1) * cfg.sft.epochs
     optim = cfg.sft.optim.model_copy(update={"warmup_steps": round(cfg.sft.warmup_ratio * total)})
     trainer = start_trainer(base_dir, optim, total)
