@@ -90,7 +90,7 @@ def build_base_model(cfg: RunConfig, train: list[Problem], model_dir: Path, log:
 
         def copying(step: int) -> bool:
             # The copy mechanism forms suddenly, after a number of steps that varies with the
-            # initialisation; documents before it teach no program (LOG.md, 2026-11-26 entry).
+            # initialisation (300 to 550 seen); documents before it teach no program.
             exact = trainer.exact_match(probe)
             log({"pretrain/copy_exact": exact}, step)
             if exact >= tiny.pretrain_copy_until:
