@@ -139,3 +139,27 @@ def test_stage_boundary_reset_keeps_weights_and_drops_optimizer_state(trainer, t
         assert restarted.keys() == weights.keys()
         assert all(torch.equal(weights[name], tensor) for name, tensor in restarted.items())
         assert reset.rl_step(samples, LossConfig())["lr"] == pytest.approx(fresh_lr)  # a fresh warm-up
+
+
+@pytest.mark.slow
+def test_exact_match_is_what_greedy_decoding_reproduces_and_ends_a_phase_early(tmp_path):
+    from tasks.train.supervised import train_steps
+
+    cfg = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=1, num_kv_heads=1, intermediate_size=128)
+    model_dir = build_tiny_model(cfg, [p.question for p in generate_problems(32, [1], seed=0)], 0, tmp_path)
+    optim = OptimConfig(lr=3e-3, schedule="constant", warmup_steps=0, zero_stage=1, micro_batch_size=4)
+    trainer = Trainer(model_dir, optim, total_steps=100)
+
+    sequence = Sample(list(range(3, 15)), [0] * 4 + [1] * 8)
+    checks = []
+    taken = train_steps(
+        trainer, [sequence] * 4, 4, 100, 0, "t", lambda metrics, step: None, until=lambda s: checks.append(s) or True
+    )
+    assert taken == 25 and checks == [24]  # asked every 25 steps, stops when it says so
+    assert trainer.exact_match([sequence]) == 1.0  # 25 steps learn one sequence by heart
+    model = trainer.engine.module
+    with torch.no_grad():
+        out = model.generate(torch.tensor([sequence.token_ids[:4]]), max_new_tokens=8, do_sample=False)
+    assert out[0].tolist() == sequence.token_ids
+    wrong = Sample(sequence.token_ids[:4] + [40] * 8, [0] * 4 + [1] * 8)
+    assert trainer.exact_match([sequence, wrong]) == 0.5
