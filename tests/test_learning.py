@@ -3,7 +3,7 @@ end SFT able to solve held-out problems and RL must add to that. A green suite o
 a default that scored 0.000; this test is what fails then.
 
 The thresholds are loose on purpose (runs are not bit-reproducible); how far above them runs
-land is in LOG.md (2026-11-26 entry). About 10 minutes on two cores.
+land is in LOG.md (2026-11-26 copying-formed-late entry). About 10 minutes on two cores.
 
 Run: .venv/bin/python -m pytest tests/test_learning.py -q
 """
