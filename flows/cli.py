@@ -34,7 +34,7 @@ def _bad_input_exits_2() -> Iterator[None]:
         raise SystemExit(2) from None
 
 
-def _overrides(pairs: list[str]) -> dict:
+def parse_overrides(pairs: list[str]) -> dict:
     from tasks.config import InputError
 
     overrides = {}
@@ -69,7 +69,7 @@ def _plan(args: argparse.Namespace) -> None:
     from tasks.cluster.resources import run_resources
     from tasks.config import load_config
 
-    cfg = load_config(args.config, _overrides(args.set))
+    cfg = load_config(args.config, parse_overrides(args.set))
     resources = parse_resources(args.resources) if args.resources else run_resources(cfg.cluster, args.gpu_memory_gib)
     print(format_plan(build_plan(cfg, resources)))
 
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         connect(args.runs).sql(args.sql).show(max_width=200)
         return
     with _bad_input_exits_2():
-        overrides = _overrides(args.set)
+        overrides = parse_overrides(args.set)
         if args.command in ("run", "ablate", "coldstart"):
             _check(args.config, overrides)
     if args.command == "evaluate":

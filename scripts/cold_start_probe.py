@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from flows.cli import parse_overrides
 from tasks.config import load_config
 from tasks.data.chat_examples import sft_examples
 from tasks.data.problem_sets import curate, load_problems
@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also write the result as JSON here")
     args = parser.parse_args()
 
-    overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
+    overrides = parse_overrides(args.set)
     cfg = load_config(args.config, overrides)
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="cold-start-probe-"))
@@ -109,7 +109,7 @@ def main() -> None:
     result["base_s"] = round(time.perf_counter() - started)
     print(json.dumps(result), flush=True)
     for index, variant in enumerate([] if args.base_only else args.sft or [""]):
-        changes = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in variant.split(",") if item)}
+        changes = parse_overrides([item for item in variant.split(",") if item])
         variant_cfg = load_config(args.config, {**overrides, **changes})
         losses.pop("sft/loss", None)
         probed = train_and_probe_sft(variant_cfg, base_dir, heldout, work / f"sft-{index}", args.threads, log)

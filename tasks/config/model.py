@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+from tasks.config.cluster import _Strict
 
 
 class PretrainLayouts(_Strict):
