@@ -3,6 +3,8 @@
 - an engine in the middle of a rollout batch: the batch completes on the other engine with every
   rollout once, the rollouts it held counted as re-queued; Ray restarts the actor, and the next
   weight sync brings it back into the pool and the sync group with the trainer's current weights;
+- an engine that dies unnoticed just before a weight push: the push goes on without it (every
+  member of a sync group fails when one dies, so the push is made again without the dead one);
 - a sandbox replica with calls in flight: each call is answered once, from the other replica,
   none as an outage; Ray restarts the replica and the client sends to its new address.
 
@@ -108,6 +110,29 @@ def test_a_dead_engine_costs_a_requeue_and_comes_back_with_the_weights(model_dir
     assert len(gaps) == 2 and max(gaps) < 2e-3, gaps
     again, times = run_rollouts(pool, runtime.tools, tokenizer, problems[:2], 4, SPEC)
     assert len(again) == 8 and times.requeued_rollouts == 0 and times.engine_deaths == 0
+    runtime.started += started_pids(runtime.placement.where(30))
+
+
+def test_an_engine_dead_as_the_push_begins_is_dropped_from_it_and_comes_back(runtime) -> None:
+    """Killed once it has answered everything, so that nothing the group waits on finds the death
+    before the push does: the push goes on without the engine, and a later one brings it back."""
+    pool = runtime.engine
+    assert pool.serving == [True, True]
+    time.sleep(1)  # every outstanding take answers (each waits at most half a second)...
+    pool.check()  # ...and is collected, so no call to the engine is left in flight
+    victim = pid_of(runtime.placement.where(30), "engine", 0)
+    deaths, restarts = pool.deaths, pool.restarts
+    os.kill(victim, signal.SIGKILL)
+    assert not wait_gone([victim])
+    runtime.sync_weights([])
+    assert pool.serving == [False, True] and pool.deaths == deaths + 1
+    assert len(pool.prompt_logprobs([[1, 2, 3]])) == 1
+    deadline = time.monotonic() + 180
+    while pool.restarts == restarts:
+        assert time.monotonic() < deadline, "the dead engine never came back"
+        runtime.sync_weights([])
+        time.sleep(1)
+    assert pool.serving == [True, True] and len(pool.prompt_logprobs([[1, 2, 3]])) == 2
     runtime.started += started_pids(runtime.placement.where(30))
 
 

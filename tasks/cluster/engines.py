@@ -198,7 +198,8 @@ class EngineGroup:
     def count(self) -> int:
         return len(self.actors)
 
-    def _lose(self, engine: int, error: BaseException) -> None:
+    def lose(self, engine: int, error: BaseException) -> None:
+        """Engine `engine` is found dead: it serves no more until it is back (restarted())."""
         if not self.serving[engine]:
             return
         self.serving[engine] = False
@@ -239,7 +240,7 @@ class EngineGroup:
             try:
                 finished += [(engine, turn) for turn in ray.get(ref)]
             except ACTOR_GONE as gone:
-                self._lose(engine, gone)
+                self.lose(engine, gone)
         return finished
 
     def poll(self, timeout: float | None) -> list[tuple[int, FinishedTurn]]:
@@ -285,8 +286,20 @@ class EngineGroup:
         return [actor for actor, serving in zip(self.actors, self.serving) if serving]
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[list[float]]]:
-        """Each serving engine's log-probs of the sequences: one list per engine."""
-        return ray.get([a.prompt_logprobs.remote(sequences) for a in self.live])
+        """Each serving engine's log-probs of the sequences: one list per engine (an engine found
+        dead meanwhile is dropped)."""
+        asked = {
+            engine: actor.prompt_logprobs.remote(sequences)
+            for engine, actor in enumerate(self.actors)
+            if self.serving[engine]
+        }
+        views = []
+        for engine, ref in asked.items():
+            try:
+                views.append(ray.get(ref))
+            except ACTOR_GONE as gone:
+                self.lose(engine, gone)
+        return views
 
     def stats(self) -> list[dict]:
         """Per engine: seconds spent generating, preemptions so far, its threads and cores (the
@@ -296,7 +309,7 @@ class EngineGroup:
             try:
                 self._last_stats[engine] = ray.get(ref)
             except ACTOR_GONE as gone:
-                self._lose(engine, gone)
+                self.lose(engine, gone)
         return list(self._last_stats)
 
     def load_from_dir(self, model_dir: Path, timeout_s: float) -> None:

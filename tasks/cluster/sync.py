@@ -13,7 +13,7 @@ import time
 import ray
 import torch
 
-from tasks.cluster.engines import EngineGroup
+from tasks.cluster.engines import ACTOR_GONE, EngineGroup
 from tasks.cluster.trainers import TrainerGroup
 from tasks.cluster.weights import BucketLayout, SyncGroup, bucket_size
 from tasks.config.cluster import ClusterConfig
@@ -42,44 +42,88 @@ class WeightSync:
         try:
             return ray.get(refs, timeout=self.cfg.sync_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(
-                f"weight sync ({self.backend}) took over cluster.sync_timeout_s = {self.cfg.sync_timeout_s:.0f} s"
-            ) from None
+            raise self._timeout() from None
 
-    def _join(self, engines: list[int]) -> None:
+    def _timeout(self) -> TimeoutError:
+        return TimeoutError(
+            f"weight sync ({self.backend}) took over cluster.sync_timeout_s = {self.cfg.sync_timeout_s:.0f} s"
+        )
+
+    def _outcomes(self, refs: list) -> list:
+        """Each call's result, or the exception it raised: one dead engine must not hide what
+        the others did."""
+        ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.sync_timeout_s)
+        if waiting:
+            raise self._timeout()
+        outcomes = []
+        for ref in refs:
+            try:
+                outcomes.append(ray.get(ref))
+            except ray.exceptions.RayError as error:
+                outcomes.append(error)
+        return outcomes
+
+    def _join(self, engines: list[int]) -> list:
         """A sync group of trainer rank 0 (which hosts its store) and these engines; made again
-        when an engine rejoins, since a gloo or NCCL group cannot take a new member."""
+        when an engine rejoins or leaves, since a gloo or NCCL group cannot change its members.
+        Returns each member's outcome, rank 0's first."""
         host, port = ray.get(self.trainer.actors[0].rendezvous.remote())
-        group = SyncGroup(host, port, 1 + len(engines), self.backend, self.cfg.sync_timeout_s)
+        group = SyncGroup(host, port, 1 + len(engines), self.backend, self.cfg.sync_group_timeout_s)
         actors = self.engines.actors
-        self._get(
+        outcomes = self._outcomes(
             [self.trainer.actors[0].join_sync_group.remote(group)]
             + [actors[e].join_sync_group.remote(group, 1 + i) for i, e in enumerate(engines)]
         )
-        self._members = engines
+        self._members = None if _failures(outcomes) else engines
+        return outcomes
 
-    def push(self) -> dict:
-        """The trainer's current weights into every engine that serves, and into those Ray has
-        restarted since the last push (which then serve again); returns bytes sent and seconds."""
-        started = time.perf_counter()
-        self.engines.check()
-        back = self.engines.restarted()
-        engines = sorted([e for e, serving in enumerate(self.engines.serving) if serving] + back)
+    def _send(self, engines: list[int]) -> tuple[int, list]:
+        """The weights into these engines: bytes sent, and each call's outcome (trainer ranks'
+        first, then the engines' in order)."""
         ranks, actors = self.trainer.actors, [self.engines.actors[e] for e in engines]
         if self._layouts is None:
             bucket_bytes = int(self.cfg.sync_bucket_mb * 2**20)
             self._layouts = self._get([rank.weight_layouts.remote(bucket_bytes) for rank in ranks])[0]
         if self.backend == "object_store":
             buckets = self._get([rank.put_weights.remote(self._layouts) for rank in ranks])[0]
-            self._get([engine.load_from_store.remote(buckets) for engine in actors])
             sent = sum(bucket_size(layout) for layout, _ in buckets)
-        else:
-            if self._members != engines:
-                self._join(engines)
-            sent = self._get(
-                [rank.broadcast_weights.remote(self._layouts) for rank in ranks]
-                + [engine.receive_weights.remote(self._layouts) for engine in actors]
-            )[0]
-        self.engines.rejoin(back)
-        self.last = {"bytes": sent, "seconds": time.perf_counter() - started}
-        return self.last
+            return sent, [None] * len(ranks) + self._outcomes([a.load_from_store.remote(buckets) for a in actors])
+        if self._members != engines:
+            outcomes = self._join(engines)
+            if _failures(outcomes):
+                return 0, [None] * (len(ranks) - 1) + outcomes
+        outcomes = self._outcomes(
+            [rank.broadcast_weights.remote(self._layouts) for rank in ranks]
+            + [engine.receive_weights.remote(self._layouts) for engine in actors]
+        )
+        return (0 if _failures(outcomes) else outcomes[0]), outcomes
+
+    def push(self) -> dict:
+        """The trainer's current weights into every engine that serves, and into those Ray has
+        restarted since the last push (which then serve again); returns bytes sent and seconds.
+
+        An engine found dead during the push is dropped from it, and the push is made again
+        without it: a gloo or NCCL group fails for all its members when one dies. Ray restarts
+        the engine, and a later push brings it back."""
+        started = time.perf_counter()
+        for _ in range(self.engines.count + 1):  # each try that fails has lost one engine more
+            self.engines.check()
+            back = self.engines.restarted()
+            engines = sorted([e for e, serving in enumerate(self.engines.serving) if serving] + back)
+            sent, outcomes = self._send(engines)
+            engine_outcomes = outcomes[len(self.trainer.actors) :]
+            gone = [(e, o) for e, o in zip(engines, engine_outcomes) if isinstance(o, ACTOR_GONE)]
+            if not gone:
+                if failures := _failures(outcomes):
+                    raise failures[0]
+                self.engines.rejoin(back)
+                self.last = {"bytes": sent, "seconds": time.perf_counter() - started}
+                return self.last
+            self._members = None
+            for engine, error in gone:
+                self.engines.lose(engine, error)
+        raise RuntimeError(f"weight sync: engines kept dying during the push ({self.engines.count + 1} tries)")
+
+
+def _failures(outcomes: list) -> list[BaseException]:
+    return [o for o in outcomes if isinstance(o, BaseException)]

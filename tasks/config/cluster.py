@@ -61,6 +61,9 @@ class ClusterConfig(_Strict):
     weight_sync: Literal["auto", "gloo", "nccl", "object_store"] = "auto"
     sync_bucket_mb: float = Field(64, gt=0)
     sync_timeout_s: float = Field(600, gt=0)  # a weight sync that takes longer fails the step
+    # Forming the sync group, or moving one bucket, that takes longer fails that try of the push:
+    # an engine that dies mid-transfer can leave its peers waiting on it until then.
+    sync_group_timeout_s: float = Field(60, gt=0)
     ready_timeout_s: float = Field(600, gt=0)  # placement groups and actors must be up by then
     # Times Prefect retries a failed attempt of the stages on the cluster (SFT, RL, evaluation)
     # with new actors, going on from what finished: a dead trainer rank or a lost node costs a
