@@ -46,8 +46,8 @@ def runtime_config(model_dir: Path, engines: int):
         default_config_path(),
         {
             "model.path": str(model_dir),
-            "engine.kv_cache_gib": 0.1,
-            "cluster.engines.count": engines,
+            "engines.kv_cache_gib": 0.1,
+            "engines.count": engines,
             "cluster.num_cpus": 4,  # logical: the actors take turns on the cores
             "sandbox.workers": 1,
         },
@@ -73,7 +73,7 @@ def bench_sync(work: Path, repeats: int) -> None:
             runtime.policy_trainer(total_steps=1, reset_optimizer=False)
             for backend in ("gloo", "object_store"):
                 sync = WeightSync(
-                    runtime.trainer, runtime.engine, cfg.cluster.model_copy(update={"weight_sync": backend})
+                    runtime.trainer, runtime.engines, cfg.cluster.model_copy(update={"weight_sync": backend})
                 )
                 sync.push()  # the first one sets up the group and the layout
                 times = [sync.push()["seconds"] for _ in range(repeats)]
@@ -96,11 +96,10 @@ def round_trip(call, n: int = 200) -> float:
 def bench_overhead(work: Path) -> None:
     from transformers import AutoTokenizer
 
+    from tasks.records import Sample
     from tasks.rl.batch import step_problems
     from tasks.rollout.agent import run_rollouts
-    from tasks.rollout.trajectory import rollout_spec
     from tasks.runtime import Runtime
-    from tasks.train.sample import Sample
 
     model_dir = build("tiny", work)
     cfg = runtime_config(model_dir, engines=1)
@@ -109,22 +108,22 @@ def bench_overhead(work: Path) -> None:
     problems = generate_problems(64, [1, 2, 3], seed=7)
     with Runtime(cfg, model_dir, work / "run-overhead") as runtime:
         trainer = runtime.policy_trainer(total_steps=4, reset_optimizer=False)
-        engine_rtt = round_trip(lambda: runtime.engine.actors[0].take.remote(0.0))
+        engine_rtt = round_trip(lambda: runtime.engines.actors[0].take.remote(0.0))
         rank_rtt = round_trip(lambda: runtime.trainer.actors[0].where.remote())
         print("(c) actor-call overhead per RL step, tiny model, one engine and one rank")
         print(f"    empty call: engine actor {engine_rtt * 1e3:.2f} ms, rank actor {rank_rtt * 1e3:.2f} ms")
         for step in range(2):
             batch = step_problems(problems, stage.problems_per_step, cfg.seed, stage.name, step)
-            started, calls = time.perf_counter(), runtime.engine.calls
+            started, calls = time.perf_counter(), runtime.engines.calls
             trajectories, _ = run_rollouts(
-                runtime.engine,
+                runtime.engines,
                 runtime.tools,
                 tokenizer,
                 [(p.problem_id, p.question) for p in batch],
                 cfg.rl.rollouts_per_problem,
-                rollout_spec(cfg.rollout, stage),
+                cfg.rollout.spec(stage),
             )
-            rollout_s, engine_calls = time.perf_counter() - started, runtime.engine.calls - calls
+            rollout_s, engine_calls = time.perf_counter() - started, runtime.engines.calls - calls
             samples = [
                 Sample(t.prompt_ids + t.response_ids, [0] * len(t.prompt_ids) + t.loss_mask, (-1.0) ** i)
                 for i, t in enumerate(trajectories)

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from tasks.config import default_config_path, load_config
 from tasks.data.chat_examples import sft_examples, tokenize_segments
-from tasks.train.sample import Sample
+from tasks.records import Sample
 from tasks.train.supervised import epoch_batches
 from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer, by_length
@@ -44,10 +44,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[16, 8, 4])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=None, help="default: the config's trainer_threads")
+    parser.add_argument("--threads", type=int, default=None, help="default: the config's trainer.threads")
     args = parser.parse_args()
     cfg = load_config(default_config_path())
-    threads = args.threads or cfg.trainer_threads
+    threads = args.threads or cfg.trainer.threads
     with tempfile.TemporaryDirectory() as tmp:
         corpus = ["".join(text for text, _ in example) for example in sft_examples(cfg, recovery=False)[0]]
         model_dir = build_tiny_model(cfg.model.tiny, corpus, seed=0, out_dir=Path(tmp) / "model")
@@ -61,6 +61,7 @@ def main() -> None:
                 cfg.sft.optim.model_copy(update={"micro_batch_size": size}),
                 total_steps=args.steps + 1,
                 threads=threads,
+                zero_stage=cfg.trainer.zero_stage,
             )
             for size in args.sizes
         }

@@ -11,8 +11,8 @@ Part 1, throughput: the same tiny model and the same prompts (problems in the ch
 (the fastest of the `--hf-batches` sizes in each round counts) and (b) the engine actors; tokens/s
 counts real tokens (up to and including an end-of-turn token). Compared at equal cores: one
 engine vs `generate` with one torch thread, and on two cores two engine actors of one thread
-(`cluster.engines.count`) and one engine of two threads (`engine.threads`) vs `generate` with two
-threads; the engines both eager and compiled (torch.compile, `engine.enforce_eager: false`; its
+(`engines.count`) and one engine of two threads (`engines.threads`) vs `generate` with two
+threads; the engines both eager and compiled (torch.compile, `engines.enforce_eager: false`; its
 start-up is not timed).
 `--rounds` rounds of all of it, each ratio taken within one round; the median and range over
 rounds close the part.
@@ -53,12 +53,14 @@ from tasks.cluster.connect import RayCluster  # noqa: E402
 from tasks.config import OptimConfig, TinyModelConfig, default_config_path, load_config  # noqa: E402
 from tasks.data.chat_examples import build_sft_examples, tokenize_segments  # noqa: E402
 from tasks.data.problems import generate_problems  # noqa: E402
+from tasks.records import (
+    RolloutSpec,  # noqa: E402
+    Sample,  # noqa: E402
+)
 from tasks.rollout.agent import run_rollouts  # noqa: E402
 from tasks.rollout.engine import configure_cpu_runtime  # noqa: E402
 from tasks.rollout.format import TOOL_CALL_CLOSE, prompt_text  # noqa: E402
-from tasks.rollout.trajectory import RolloutSpec  # noqa: E402
 from tasks.runtime import Runtime  # noqa: E402
-from tasks.train.sample import Sample  # noqa: E402
 from tasks.train.tiny_model import build_tiny_model  # noqa: E402
 from tasks.train.trainer import Trainer  # noqa: E402
 
@@ -68,7 +70,7 @@ MODEL = TinyModelConfig(hidden_size=192, num_layers=3, num_heads=3, num_kv_heads
 
 # The tiny run's config with the bench's engines. Their logical CPUs are a quarter each, so that
 # the trainer rank (1), two engines and the sandbox replica (0.5) fit two cores' worth of Ray CPUs.
-BASE = {"seed": 0, "engine.max_model_len": 1024, "cluster.engines.cpus": 0.25, "cluster.ready_timeout_s": 300}
+BASE = {"seed": 0, "engines.max_model_len": 1024, "engines.cpus": 0.25, "cluster.startup_timeout_s": 300}
 
 
 @contextmanager
@@ -154,14 +156,14 @@ def pool_tokens_per_s(
     short a window on a shared VM, and the engine runs batch after batch in training anyway.
     Tokens/s over all passes, and of each."""
     overrides = {
-        "engine.kv_cache_gib": 0.25,
-        "engine.threads": threads,
-        "engine.enforce_eager": eager,
-        "cluster.engines.count": engines,
+        "engines.kv_cache_gib": 0.25,
+        "engines.threads": threads,
+        "engines.enforce_eager": eager,
+        "engines.count": engines,
     }
     tokens, elapsed, each = 0, 0.0, []
     with engine_actors(model_dir, overrides) as runtime:
-        pool = runtime.engine
+        pool = runtime.engines
         for n in range(passes):
             if n:
                 runtime.load_policy(model_dir)
@@ -259,14 +261,14 @@ def scheduling(model_dir: Path, args: argparse.Namespace) -> dict[str, list]:
     )
     problems = [(p.problem_id, p.question) for p in generate_problems(args.problems, [1, 2, 3], seed=11)]
     overrides = {
-        "engine.kv_cache_gib": args.kv_gib,
-        "cluster.engines.count": 2,
+        "engines.kv_cache_gib": args.kv_gib,
+        "engines.count": 2,
         "sandbox.workers": 2,
-        "sandbox.timeout_s": 4.0,
+        "sandbox.program_timeout_s": 4.0,
     }
     results: dict[str, list] = {label: [] for label in POLICIES}
     with engine_actors(model_dir, overrides) as runtime:
-        pool, tools, cfg = runtime.engine, runtime.tools, runtime.engine.cfg
+        pool, tools, cfg = runtime.engines, runtime.tools, runtime.engines.cfg
         longest = max(len(tokenizer(prompt_text(q, TOOL, "compact"))["input_ids"]) for _, q in problems)
         print(
             f"engine KV capacity {pool.kv_tokens} tokens; a full rollout is {longest + args.max_response}: "

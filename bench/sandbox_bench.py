@@ -32,10 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tasks.records import ToolStatus  # noqa: E402
 from tasks.sandbox.client import SandboxClient  # noqa: E402
 from tasks.sandbox.executor import Limits  # noqa: E402
 from tasks.sandbox.server import SandboxService  # noqa: E402
-from tasks.sandbox.status import ToolStatus  # noqa: E402
 
 CASES = {
     "a": ("print(1+1)", "print(1+1)"),

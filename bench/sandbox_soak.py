@@ -35,10 +35,10 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tasks.cluster  # noqa: E402, F401  (before Ray: a local Ray on 127.0.0.1)
+from tasks.records import ToolStatus  # noqa: E402
 from tasks.sandbox.client import SandboxClient  # noqa: E402
 from tasks.sandbox.limits import Limits  # noqa: E402
 from tasks.sandbox.server import SandboxService  # noqa: E402
-from tasks.sandbox.status import ToolStatus  # noqa: E402
 
 # A mix of what rollouts send: plain arithmetic, an exception, a sympy call, printing.
 PROGRAMS = (
@@ -122,11 +122,11 @@ def with_replicas(args: argparse.Namespace) -> tuple[dict, int, int]:
     report, the calls the replicas ran and the kills."""
     import ray
 
-    from tasks.cluster.sandboxes import SandboxGroup, SandboxReplica
+    from tasks.cluster.sandboxes import SandboxActor, SandboxGroup
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1")
     log_dir = Path("outputs/bench/sandbox-soak")
-    replica = ray.remote(SandboxReplica).options(num_cpus=0.5, max_restarts=-1)
+    replica = ray.remote(SandboxActor).options(num_cpus=0.5, max_restarts=-1)
     group = SandboxGroup([replica.remote(i, args.workers, Limits(), str(log_dir)) for i in range(args.replicas)], 120)
     kept = ray.get(group.actors[0].where.remote())
     stop, kills = threading.Event(), [0]

@@ -16,7 +16,7 @@ next turn), and recomputed tokens.
 The engine model, one vLLM engine per GPU (assumptions, with where the numbers come from):
 - KV cache: Qwen3-14B in bf16 keeps 40 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes =
   160 KiB per token; ~140 GB of an MI300X's 192 GB after the 28 GB of weights -> 850K tokens;
-  the 64 GiB that configs/qwen3-14b-paper.yaml gives an engine (`engine.kv_cache_gib`) -> 419,430.
+  the 64 GiB that configs/qwen3-14b-paper.yaml gives an engine (`engines.kv_cache_gib`) -> 419,430.
 - A decode step costs a fixed part (reading the 28 GB of weights at ~4 TB/s: ~7 ms, plus
   overhead), a small part per running sequence, and reading each running sequence's KV (160 KiB
   per context token at ~4 TB/s). Prefill (new or recomputed tokens) costs 2 x 14e9 FLOPs per

@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM
 
 from tasks.config import LossConfig, OptimConfig, default_config_path, load_config
 from tasks.data.problems import generate_problems
+from tasks.records import Sample
 from tasks.rl.loss import ppo_clip_loss, token_logprobs
-from tasks.train.sample import Sample
 from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer
 
@@ -83,11 +83,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     cfg = load_config(default_config_path())
-    optim = cfg.rl.optim.model_copy(update={"zero_stage": args.zero_stage, "warmup_steps": 0})
+    optim = cfg.rl.optim.model_copy(update={"warmup_steps": 0})
     with tempfile.TemporaryDirectory() as tmp:
         corpus = [p.question + "\n" + p.solution_code for p in generate_problems(256, cfg.data.levels, seed=0)]
         model_dir = build_tiny_model(cfg.model.tiny, corpus, seed=0, out_dir=Path(tmp) / "model")
-        deepspeed = Trainer(model_dir, optim, total_steps=args.steps + 1, threads=args.threads)
+        deepspeed = Trainer(
+            model_dir, optim, total_steps=args.steps + 1, threads=args.threads, zero_stage=args.zero_stage
+        )
         plain = PlainTorch(model_dir, optim)
         batch = rl_batch(args.samples, args.length, deepspeed.engine.module.config.vocab_size, seed=0)
         times: dict[str, list[float]] = {"deepspeed": [], "torch": []}

@@ -9,10 +9,12 @@ from typing import Any
 from prefect import flow
 
 from flows.pipeline import pipeline
+from flows.preflight import check_run
 from tasks.ablation import read_run, sft_run_of, start_from_run, write_ablation_report, write_cold_start_report
 from tasks.config import default_config_path, load_config
-from tasks.config.preflight import check_run
-from tasks.summary.mode_comparison import RunResult, ablation_command
+from tasks.store.run_folder import run_dir
+from tasks.summary.mode_comparison import ablation_command
+from tasks.summary.runs import RunResult
 
 
 def run_arms(
@@ -38,14 +40,14 @@ def run_arms(
             run_id = f"{name}-s{seed}-{arm}"
             run_overrides = {**(overrides or {}), "seed": seed, field: arm}
             source = (
-                cfg.run_dir(first)
+                run_dir(cfg.output_dir, first)
                 if arm != arms[0]
                 else (sft_run_of(Path(cfg.output_dir) / "runs", sft_from, seed) if sft_from else None)
             )
             if source is not None:
-                start_from_run(source, cfg.run_dir(run_id), load_config(config, run_overrides), upto)
+                start_from_run(source, run_dir(cfg.output_dir, run_id), load_config(config, run_overrides), upto)
             pipeline(config, run_id, run_overrides)
-            results.append(read_run(cfg.run_dir(run_id), seed, arm, [s.name for s in cfg.rl.stages]))
+            results.append(read_run(run_dir(cfg.output_dir, run_id), seed, arm, [s.name for s in cfg.rl.stages]))
     return results
 
 

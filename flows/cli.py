@@ -47,9 +47,9 @@ def parse_overrides(pairs: list[str]) -> dict:
 
 
 def _check(config: str, overrides: dict) -> None:
-    """The config and every input it names (tasks/config/preflight.py), before any flow runs."""
+    """The config and every input it names (flows/preflight.py), before any flow runs."""
+    from flows.preflight import check_run
     from tasks.config import load_config
-    from tasks.config.preflight import check_run
 
     check_run(load_config(config, overrides))
 

@@ -5,10 +5,9 @@ from prefect import flow
 from flows.once import run_once
 from tasks.config import DataConfig, RunConfig
 from tasks.curate import curate_problems, keep_consensus, record_curation, select_problems
-from tasks.data.problems import Problem
 from tasks.policy import roll_out, score
+from tasks.records import Problem, RunContext
 from tasks.runtime import Runtime
-from tasks.store.run_folder import RunContext
 
 
 @flow(name="curate", log_prints=True)

@@ -8,12 +8,11 @@ from prefect import flow
 from flows.once import run_once
 from tasks.config import RunConfig
 from tasks.curate import load_benchmarks, load_problems
-from tasks.data.problems import Problem
 from tasks.policy import roll_out, score, write_rollouts
+from tasks.records import Problem, RunContext
 from tasks.report import end_run, record_placement, reopen_run, summarize_eval
 from tasks.resume import finished, saved_policy
 from tasks.runtime import Runtime
-from tasks.store.run_folder import RunContext
 
 
 @flow(name="evaluate", log_prints=True, validate_parameters=False)

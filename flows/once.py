@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tasks.records import RunContext
 from tasks.report import end_run, start_stage_run
 from tasks.resume import finished, mark_finished
-from tasks.store.run_folder import RunContext
 
 
 def run_once(

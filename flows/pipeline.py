@@ -13,12 +13,13 @@ from prefect import flow
 
 from flows.curate import consensus, curate
 from flows.evaluate import evaluate
+from flows.preflight import check_run
 from flows.rl import rl_stage
 from flows.sft import base_model, sft
 from tasks.config import RunConfig, default_config_path, load_config
-from tasks.config.preflight import check_run
 from tasks.curate import load_benchmarks, load_problems
 from tasks.policy import serve_policy
+from tasks.records import RunContext
 from tasks.report import (
     end_run,
     publish_summary,
@@ -29,7 +30,6 @@ from tasks.report import (
 )
 from tasks.resume import stages_to_run
 from tasks.runtime import Runtime
-from tasks.store.run_folder import RunContext
 from tasks.summary.run_card import Stopwatch
 
 

@@ -5,7 +5,6 @@ from prefect import flow
 from flows.once import run_once
 from tasks.config import RunConfig, StageConfig
 from tasks.curate import select_problems
-from tasks.data.problems import Problem
 from tasks.grpo import (
     checkpoint,
     export_policy,
@@ -19,9 +18,9 @@ from tasks.grpo import (
     update_policy,
 )
 from tasks.policy import roll_out, score, write_rollouts
+from tasks.records import Problem, RunContext
 from tasks.report import publish_stage_summary, track_progress
 from tasks.runtime import Runtime
-from tasks.store.run_folder import RunContext
 
 
 @flow(name="rl-step", log_prints=True, validate_parameters=False)

@@ -6,9 +6,9 @@ from prefect import flow
 
 from flows.once import run_once
 from tasks.config import RunConfig
+from tasks.records import RunContext
 from tasks.runtime import Runtime
 from tasks.sft import build_base_model, train_sft
-from tasks.store.run_folder import RunContext
 
 
 @flow(name="base-model", log_prints=True, validate_parameters=False)

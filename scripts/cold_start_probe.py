@@ -101,7 +101,12 @@ def main() -> None:
         for name, value in metrics.items():
             losses.setdefault(name, []).append(value)
 
-    base_dir, _ = build_base_model(cfg.model_copy(update={"trainer_threads": args.threads}), train, work / "base", log)
+    base_dir, _ = build_base_model(
+        cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"threads": args.threads})}),
+        train,
+        work / "base",
+        log,
+    )
     result = {"overrides": args.set, "base": probe(base_dir, heldout, cfg.rollout.tool_name, cfg.rollout.tool_spec)}
     curve = losses.get("pretrain/loss", [])
     result["pretrain_loss_every_50"] = [round(sum(curve[i : i + 10]) / 10, 3) for i in range(0, len(curve) - 9, 50)]
@@ -125,7 +130,7 @@ def train_and_probe_sft(cfg, base_dir: Path, heldout, out_dir: Path, threads: in
     """The configured SFT in this process (one local trainer), then the probes on its policy."""
 
     def start_trainer(model_dir, optim, total):
-        return Trainer(model_dir, optim, total, cfg.model.dtype, cfg.seed, threads)
+        return Trainer(model_dir, optim, total, cfg.model.dtype, cfg.seed, threads, cfg.trainer.zero_stage)
 
     sft_dir, _ = train_sft(cfg, sft_examples(cfg)[0], base_dir, out_dir, log, start_trainer)
     return probe(sft_dir, heldout, cfg.rollout.tool_name, cfg.rollout.tool_spec)

@@ -17,8 +17,8 @@ eval "$("$VENV/bin/python" -m tasks.config.environment)"
 "$VENV/bin/rstar2" run --config configs/tiny.yaml --run-id "$RUN_ID" \
   --set output_dir="$OUT" \
   --set cluster.placement=colocated \
-  --set cluster.trainer.gpus=1 --set cluster.engines.gpus=1 \
-  --set engine.gpu_memory_utilization=0.4 \
+  --set trainer.gpus=1 --set engines.gpus=1 \
+  --set engines.gpu_memory_utilization=0.4 \
   --set 'rl.stages=[{name: stage1, steps: 2, max_response_tokens: 384, max_turns: 4, problems_per_step: 16}]' \
   --set rl.roc.drop_zero_signal=false
 

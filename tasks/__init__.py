@@ -7,5 +7,7 @@
   notebook: config, data, sandbox, rollout, reward, rl, train, store, summary, tracking, runtime,
   cluster (the one place that imports Ray: actors, placement, weight sync).
   Pure algorithms (RoC, advantages, loss, scheduler policy, answer extraction, curation filters)
-  do no I/O; record types (trajectory, sample, run context) live in light modules of their own.
+  do no I/O. The record types every area shares (problem, tool-call outcome, trajectory, sample,
+  rollout spec, run context) are at the bottom, in tasks/records, which imports nothing of the
+  project; the areas sit in layers above it and import only downwards.
 """

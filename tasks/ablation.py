@@ -1,4 +1,5 @@
-"""Prefect tasks of the comparison flows (library: tasks/summary/mode_comparison.py, cold_start.py)."""
+"""Prefect tasks of the comparison flows (library: tasks/summary/mode_comparison.py and cold_start.py;
+a run seeded from another: tasks/store/run_folder.py)."""
 
 from __future__ import annotations
 
@@ -8,23 +9,24 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.config import RunConfig
-from tasks.summary import cold_start, mode_comparison
-from tasks.summary.mode_comparison import RunResult
+from tasks.store import run_folder
+from tasks.summary import cold_start, mode_comparison, runs
+from tasks.summary.runs import RunResult
 
 
 @task(cache_policy=NO_CACHE)
 def start_from_run(source: Path, target: Path, cfg: RunConfig, upto: str) -> None:
-    mode_comparison.start_from_run(source, target, cfg, upto)
+    run_folder.start_from_run(source, target, cfg, upto)
 
 
 @task(cache_policy=NO_CACHE)
 def sft_run_of(runs_dir: Path, ablation: str, seed: int) -> Path:
-    return mode_comparison.sft_run_of(runs_dir, ablation, seed)
+    return run_folder.sft_run_of(runs_dir, ablation, seed)
 
 
 @task(cache_policy=NO_CACHE)
 def read_run(run_dir: Path, seed: int, mode: str, stage_names: list[str]) -> RunResult:
-    return mode_comparison.read_run(run_dir, seed, mode, stage_names)
+    return runs.read_run(run_dir, seed, mode, stage_names)
 
 
 @task(cache_policy=NO_CACHE)

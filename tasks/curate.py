@@ -10,9 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.config import DataConfig
 from tasks.data import problem_sets
-from tasks.data.problems import Problem
-from tasks.rollout.trajectory import Rollouts
-from tasks.store.run_folder import RunContext
+from tasks.records import Problem, Rollouts, RunContext
 from tasks.tracking.mlflow_log import Tracker
 
 

@@ -12,12 +12,11 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from tasks.config import RunConfig, StageConfig
-from tasks.data.problems import Problem
+from tasks.records import Problem, Rollouts, RunContext
 from tasks.rl import batch as rl_batch
 from tasks.rl.batch import TrainingBatch
-from tasks.rollout.trajectory import Rollouts
 from tasks.runtime import Runtime
-from tasks.store.run_folder import RunContext, checkpoint_tag, prune_checkpoints, steps_done
+from tasks.store.run_folder import checkpoint_tag, prune_checkpoints, steps_done
 from tasks.store.tables import STEPS, read_table, step_part, write_table
 from tasks.tracking.mlflow_log import Tracker
 
@@ -64,9 +63,9 @@ def sync_weights(runtime: Runtime, batch: TrainingBatch, probe_size: int = 2) ->
     """Push the trainer's weights into the running engines, and into any Ray has restarted (they
     serve again from the next step); a stale or wrong sync shows up as a log-prob gap on a few
     kept trajectories."""
-    started, restarts = time.perf_counter(), runtime.engine.restarts
+    started, restarts = time.perf_counter(), runtime.engines.restarts
     gap = runtime.sync_weights(batch.samples[:probe_size])
-    metrics = {"time_sync_s": time.perf_counter() - started, "engine_restarts": runtime.engine.restarts - restarts}
+    metrics = {"time_sync_s": time.perf_counter() - started, "engine_restarts": runtime.engines.restarts - restarts}
     return metrics | ({} if gap is None else {"sync_logprob_gap": gap})
 
 

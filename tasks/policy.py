@@ -10,10 +10,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.config import RolloutBudget
-from tasks.data.problems import Problem
+from tasks.records import Problem, Rollouts
 from tasks.reward.verify import score_rollouts
 from tasks.rollout.agent import run_rollouts
-from tasks.rollout.trajectory import Rollouts, rollout_spec
 from tasks.runtime import Runtime
 from tasks.store.tables import ROLLOUTS, rollout_rows, step_part, write_table
 
@@ -28,8 +27,8 @@ def serve_policy(runtime: Runtime, model_dir: Path) -> None:
 def roll_out(runtime: Runtime, problems: list[Problem], samples: int, budget: RolloutBudget, desc: str) -> Rollouts:
     """`samples` trajectories per problem within `budget`, on the engines the scheduler picks."""
     pairs = [(p.problem_id, p.question) for p in problems]
-    spec = rollout_spec(runtime.cfg.rollout, budget)
-    trajectories, times = run_rollouts(runtime.engine, runtime.tools, runtime.tokenizer, pairs, samples, spec, desc)
+    spec = runtime.cfg.rollout.spec(budget)
+    trajectories, times = run_rollouts(runtime.engines, runtime.tools, runtime.tokenizer, pairs, samples, spec, desc)
     return Rollouts(problems, trajectories, times)
 
 

@@ -16,8 +16,8 @@ from prefect.artifacts import (
 from prefect.cache_policies import NO_CACHE
 
 from tasks.config import RunConfig
-from tasks.rollout.trajectory import Rollouts
-from tasks.store.run_folder import RunContext
+from tasks.records import Rollouts, RunContext
+from tasks.store import run_folder
 from tasks.store.tables import EVALUATIONS, partition, stage_steps, write_json, write_table, write_text
 from tasks.summary import run_card
 from tasks.tracking import mlflow_log
@@ -26,12 +26,17 @@ from tasks.tracking.mlflow_log import Tracker
 
 @task(cache_policy=NO_CACHE)
 def start_pipeline_run(cfg: RunConfig, config_path: str, run_id: str | None) -> RunContext:
-    return mlflow_log.start_pipeline_run(cfg, config_path, run_id)
+    """A new run, or run `run_id` continued: the run folder decides, MLflow records."""
+    run_id, run_dir = run_folder.open_run(cfg, run_id)
+    mlflow_run_id = mlflow_log.pipeline_run(cfg, config_path, run_id, run_dir)
+    return RunContext(run_id, run_dir, mlflow_run_id, Path(cfg.output_dir), mlflow_log.run_tags(cfg, run_id))
 
 
 @task(cache_policy=NO_CACHE)
 def reopen_run(output_dir: str, run_id: str, eval_overrides: dict | None) -> tuple[RunConfig, RunContext]:
-    return mlflow_log.reopen_run(output_dir, run_id, eval_overrides)
+    cfg, run_dir = run_folder.reopen_run(output_dir, run_id, eval_overrides)
+    mlflow_run_id = mlflow_log.reopened_run(output_dir, run_id)
+    return cfg, RunContext(run_id, run_dir, mlflow_run_id, Path(cfg.output_dir), mlflow_log.run_tags(cfg, run_id))
 
 
 @task(cache_policy=NO_CACHE)

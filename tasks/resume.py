@@ -11,8 +11,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.config import RunConfig, StageConfig
+from tasks.records import RunContext
 from tasks.store import run_folder
-from tasks.store.run_folder import RunContext
 
 
 @task(cache_policy=NO_CACHE)

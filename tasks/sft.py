@@ -10,8 +10,8 @@ from prefect.cache_policies import NO_CACHE
 from tasks.config import RunConfig
 from tasks.data.chat_examples import sft_examples
 from tasks.data.problem_sets import load_problems
+from tasks.records import RunContext
 from tasks.runtime import Runtime
-from tasks.store.run_folder import RunContext
 from tasks.tracking.mlflow_log import Tracker
 from tasks.train import supervised
 

@@ -6,10 +6,10 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from tasks.records import ToolResult
 from tasks.sandbox.client import SandboxClient
 from tasks.sandbox.executor import Limits
 from tasks.sandbox.server import SandboxService
-from tasks.sandbox.status import ToolResult
 
 
 @contextmanager

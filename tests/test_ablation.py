@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.summary.mode_comparison import DRAWN_SHARE, RunResult, compare, positive_error_share, write_report
+from tasks.summary.mode_comparison import compare, write_report
+from tasks.summary.runs import DRAWN_SHARE, RunResult, positive_error_share
 
 NAN = math.nan
 
@@ -150,7 +151,7 @@ def _finished_sft_run(run_dir: Path, cfg) -> Path:
 
 def test_a_run_starts_from_another_runs_sft_policy_only_if_their_configs_differ_in_rl_alone(tmp_path) -> None:
     from tasks.config import default_config_path, load_config
-    from tasks.summary.mode_comparison import sft_run_of, start_from_run
+    from tasks.store.run_folder import sft_run_of, start_from_run
 
     def cfg(**overrides):
         return load_config(default_config_path(), {"output_dir": str(tmp_path), **overrides})
@@ -174,7 +175,7 @@ def test_a_run_starts_from_another_runs_sft_policy_only_if_their_configs_differ_
 
 def test_an_arm_starts_from_another_runs_base_model_if_only_the_sft_mode_or_rl_differ(tmp_path) -> None:
     from tasks.config import default_config_path, load_config
-    from tasks.summary.mode_comparison import start_from_run
+    from tasks.store.run_folder import start_from_run
 
     def cfg(**overrides):
         return load_config(default_config_path(), {"output_dir": str(tmp_path), **overrides})

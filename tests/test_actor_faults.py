@@ -22,10 +22,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from tasks.data.problems import generate_problems
+from tasks.records import Sample, ToolStatus
 from tasks.rollout.agent import run_rollouts
 from tasks.rollout.metrics import max_logprob_gap
-from tasks.sandbox.status import ToolStatus
-from tasks.train.sample import Sample
 from tests.processes import wait_gone, wait_until
 from tests.test_rollout_pool import SPEC, run_config, started_pids
 
@@ -61,11 +60,12 @@ def runtime(model_dir, tmp_path_factory):
         model_dir,
         2,
         **{
-            "engine.kv_cache_gib": 0.01,
-            "rl.optim": {"lr": 1e-2, "warmup_steps": 0, "zero_stage": 1, "micro_batch_size": 4},
-            "cluster.sync_timeout_s": 120,
-            "cluster.sandbox.replicas": 2,
-            "cluster.sandbox.cpus": 0.25,
+            "engines.kv_cache_gib": 0.01,
+            "rl.optim": {"lr": 1e-2, "warmup_steps": 0, "micro_batch_size": 4},
+            "trainer.zero_stage": 1,
+            "cluster.weight_sync_timeout_s": 120,
+            "sandbox.replicas": 2,
+            "sandbox.cpus": 0.25,
             "sandbox.workers": 1,
         },
     )
@@ -78,7 +78,7 @@ def runtime(model_dir, tmp_path_factory):
 def test_a_dead_engine_costs_a_requeue_and_comes_back_with_the_weights(model_dir, runtime) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     problems = [(p.problem_id, p.question) for p in generate_problems(16, [1], seed=3)]
-    pool = runtime.engine
+    pool = runtime.engines
     victim = pid_of(runtime.where, "engine", 1)
     killed: list[int] = []
     calls = pool.calls
@@ -116,7 +116,7 @@ def test_a_dead_engine_costs_a_requeue_and_comes_back_with_the_weights(model_dir
 def test_an_engine_dead_as_the_push_begins_is_dropped_from_it_and_comes_back(runtime) -> None:
     """Killed once it has answered everything, so that nothing the group waits on finds the death
     before the push does: the push goes on without the engine, and a later one brings it back."""
-    pool = runtime.engine
+    pool = runtime.engines
     assert pool.serving == [True, True]
     time.sleep(1)  # every outstanding take answers (each waits at most half a second)...
     pool.check()  # ...and is collected, so no call to the engine is left in flight

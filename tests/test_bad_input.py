@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from flows.preflight import check_model
 from tasks.config import InputError, load_config
-from tasks.config.preflight import check_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -48,8 +48,8 @@ def refused(out: Path, *args: str, config: Path = TINY, command: str = "run", ti
 
 
 def test_an_impossible_cluster_config(tmp_path):
-    line = refused(tmp_path / "out", "--set", "cluster.num_cpus=2", "--set", "cluster.trainer.ranks=64")
-    assert line.startswith("cluster.trainer.cpus: 64 ranks x 1 CPU need 64 CPUs, the cluster has 2")
+    line = refused(tmp_path / "out", "--set", "cluster.num_cpus=2", "--set", "trainer.ranks=64")
+    assert line.startswith("trainer.cpus: 64 ranks x 1 CPU need 64 CPUs, the cluster has 2")
 
 
 def test_an_unreachable_ray_address_fails_in_seconds(tmp_path):

@@ -8,10 +8,9 @@ Run: .venv/bin/python -m pytest tests/test_batch.py -q
 import random
 
 from tasks.config import RocConfig
+from tasks.records import ToolCallRecord, ToolStatus, Trajectory
 from tasks.rl.batch import select_training_batch, trajectory_score
 from tasks.rl.roc import p_err
-from tasks.rollout.trajectory import ToolCallRecord, Trajectory
-from tasks.sandbox.status import ToolStatus
 
 
 def _trajectory(problem: str, sample: int, statuses: list[ToolStatus], turns: int) -> Trajectory:

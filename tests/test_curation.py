@@ -188,7 +188,7 @@ def prefect_api():
 
 
 def run_context(tmp_path: Path):
-    from tasks.store.run_folder import RunContext
+    from tasks.records import RunContext
     from tasks.tracking.mlflow_log import Tracker
 
     out = tmp_path / "outputs"
@@ -263,7 +263,7 @@ def test_unreadable_file_is_named_and_nothing_is_written(files, tmp_path) -> Non
 
 def test_consensus_filter_keeps_labels_the_policy_reaches_m_times(files, tmp_path) -> None:
     from tasks.data.problem_sets import apply_consensus, curate, load_problems
-    from tasks.rollout.trajectory import Rollouts, RolloutTimes, Trajectory
+    from tasks.records import Rollouts, RolloutTimes, Trajectory
 
     run_dir = tmp_path / "run"
     paths = curate(data_config(files), run_dir)["paths"]

@@ -10,6 +10,7 @@ import pytest
 
 from tasks.data.chat_examples import build_sft_examples
 from tasks.data.problems import generate_problems, problem_statements, solve, split_problems
+from tasks.records import RolloutSpec, ToolResult, ToolStatus, Trajectory
 from tasks.rollout.agent import end_turn, render_tool_result
 from tasks.rollout.format import (
     TOOL_CALL_CLOSE,
@@ -21,8 +22,6 @@ from tasks.rollout.format import (
     tool_response_text,
     truncate_middle,
 )
-from tasks.rollout.trajectory import RolloutSpec, Trajectory
-from tasks.sandbox.status import ToolResult, ToolStatus
 
 TOOL = "execute_python_code_with_standard_io"
 SPEC = RolloutSpec(

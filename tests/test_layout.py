@@ -43,6 +43,49 @@ def importers(package: str, among: list[Path]) -> list[str]:
 ALL = sorted(TASKS.rglob("*.py")) + sorted((ROOT / "flows").glob("*.py"))
 
 
+# The layers, bottom first. A module imports from its own area or from a layer below; never from
+# a layer above, nor sideways from another area of its own layer.
+LAYERS = [
+    ["records"],  # plain record types: problem, trajectory, sample, rollout spec, run context
+    ["config"],
+    ["sandbox", "store"],
+    ["rollout"],
+    ["data", "reward", "rl"],
+    ["train", "summary", "tracking"],
+    ["cluster"],
+    ["runtime"],
+    ["tasks"],  # the Prefect task files directly in tasks/
+    ["flows"],  # the flows, the CLI and the preflight checks they call
+]
+LEVEL = {area: level for level, areas in enumerate(LAYERS) for area in areas}
+
+
+def area(module: str) -> str | None:
+    """The area a module of the project belongs to (None: not the project's)."""
+    parts = module.split(".")
+    if parts[0] == "flows":
+        return "flows"
+    if parts[0] != "tasks":
+        return None
+    return parts[1] if len(parts) > 1 and (TASKS / parts[1]).is_dir() else "tasks"
+
+
+def test_every_area_has_a_layer():
+    areas = {p.name for p in TASKS.iterdir() if p.is_dir() and p.name != "__pycache__"} | {"tasks", "flows"}
+    assert areas == set(LEVEL)
+
+
+def test_imports_only_flow_down_the_layers():
+    against = []
+    for path in ALL:
+        here = area(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        for name in imports(path):
+            there = area(name)
+            if there is not None and there != here and LEVEL[there] >= LEVEL[here]:
+                against.append(f"{path.relative_to(ROOT)} ({here}) imports {name} ({there})")
+    assert sorted(set(against)) == []
+
+
 def test_the_library_stays_usable_without_prefect():
     assert importers("prefect", LIBRARY) == []
 
@@ -99,7 +142,7 @@ def test_no_task_file_is_named_like_a_library_module():
 
 def test_pure_modules_load_no_heavy_dependency():
     code = (
-        "import sys, tasks.rl.batch, tasks.rl.roc, tasks.rollout.metrics, tasks.rollout.trajectory, "
+        "import sys, tasks.rl.batch, tasks.rl.roc, tasks.rollout.metrics, tasks.records, "
         "tasks.store.run_folder, tasks.config.cluster; "
         "print(sorted({'torch', 'aiohttp', 'transformers', 'vllm', 'mlflow', 'prefect', 'ray'} "
         "& set(sys.modules)))"

@@ -64,9 +64,9 @@ def gpu(**fields) -> dict:
 def split(ranks=4, engines=2, tp=2, **fields) -> dict:
     return gpu(**{
         "cluster.placement": "split",
-        "cluster.trainer": {"ranks": ranks, "cpus": 1, "gpus": 1},
-        "cluster.engines": {"count": engines, "cpus": 1, "gpus": tp},
-        "engine.tensor_parallel_size": tp,
+        "trainer.ranks": ranks, "trainer.cpus": 1, "trainer.gpus": 1,
+        "engines.count": engines, "engines.cpus": 1, "engines.gpus": tp,
+        "engines.tensor_parallel_size": tp,
         **fields,
     })  # fmt: skip
 
@@ -130,7 +130,7 @@ def test_mixed_precision_adam_partitioned_by_zero_stage():
 
 
 def test_split_plan_memory_per_gpu_by_hand():
-    p = plan("1x8x80", **split(**{"rl.optim.zero_stage": 2, "engine.kv_cache_gib": 10}))
+    p = plan("1x8x80", **split(**{"trainer.zero_stage": 2, "engines.kv_cache_gib": 10}))
     # A rank: 2 GiB bf16 weights, 2/4 gradients, 12/4 optimizer. An engine's GPU: 2/2 + 10 KV.
     assert p.loads == {
         "trainer": {"weights": 2, "grads": 0.5, "optimizer": 3},
@@ -149,8 +149,8 @@ def test_split_plan_memory_per_gpu_by_hand():
 
 def test_colocated_packs_ranks_in_node_order_each_engine_on_its_ranks_gpu():
     p = plan("2x8x80", **gpu(**{
-        "cluster.trainer": {"ranks": 16, "cpus": 2, "gpus": 1},
-        "cluster.engines": {"count": 16, "cpus": 2, "gpus": 1},
+        "trainer.ranks": 16, "trainer.cpus": 2, "trainer.gpus": 1,
+        "engines.count": 16, "engines.cpus": 2, "engines.gpus": 1,
     }))  # fmt: skip
     trainers = [a for a in p.actors if a.role == "trainer"]
     engines = [a for a in p.actors if a.role == "engine"]
@@ -161,17 +161,17 @@ def test_colocated_packs_ranks_in_node_order_each_engine_on_its_ranks_gpu():
 
 def test_sandbox_replicas_spread_over_the_nodes_that_offer_their_resources():
     p = plan("1x8x80+3x0:cpus=32,cpu_node=2", **gpu(**{
-        "cluster.trainer": {"ranks": 8, "cpus": 4, "gpus": 1},
-        "cluster.engines": {"count": 8, "cpus": 4, "gpus": 1},
-        "cluster.sandbox": {"replicas": 5, "cpus": 8, "resources": {"cpu_node": 1}},
+        "trainer.ranks": 8, "trainer.cpus": 4, "trainer.gpus": 1,
+        "engines.count": 8, "engines.cpus": 4, "engines.gpus": 1,
+        "sandbox.replicas": 5, "sandbox.cpus": 8, "sandbox.resources": {"cpu_node": 1},
     }))  # fmt: skip
     assert [a.node for a in p.actors if a.role == "sandbox"] == [1, 2, 3, 1, 2]
 
 
 def test_a_tensor_parallel_group_never_spans_nodes():
     # 12 GPUs in all, but each 6-GPU node holds one 4-GPU engine only.
-    message = refusal("2x6x80", **split(ranks=1, engines=3, tp=4, **{"cluster.trainer.gpus": 0}))
-    assert message.startswith("cluster.engines.count: actor 2 finds no node with") and "4 GPU" in message
+    message = refusal("2x6x80", **split(ranks=1, engines=3, tp=4, **{"trainer.gpus": 0}))
+    assert message.startswith("engines.count: actor 2 finds no node with") and "4 GPU" in message
 
 
 def test_cpu_only_plans_place_by_fractional_cpus():
@@ -187,53 +187,53 @@ def test_cpu_only_plans_place_by_fractional_cpus():
 
 def test_too_few_gpus_names_the_rank_count():
     message = refusal("8x1x80", **gpu(**{
-        "cluster.trainer": {"ranks": 64, "gpus": 1}, "cluster.engines": {"count": 64, "gpus": 1},
+        "trainer.ranks": 64, "trainer.gpus": 1, "engines.count": 64, "engines.gpus": 1,
     }))  # fmt: skip
-    assert message.startswith("cluster.trainer.ranks: 64 ranks x 1 GPU need 64 GPUs, the cluster has 8 (8 nodes x 1")
+    assert message.startswith("trainer.ranks: 64 ranks x 1 GPU need 64 GPUs, the cluster has 8 (8 nodes x 1")
 
 
 def test_too_few_cpus_names_the_role_that_does_not_fit():
-    assert refusal("1x0:cpus=1").startswith("cluster.engines.cpus: 1 engines x 0.5 CPU need 0.5 CPUs beside the 1")
+    assert refusal("1x0:cpus=1").startswith("engines.cpus: 1 engines x 0.5 CPU need 0.5 CPUs beside the 1")
 
 
 def test_custom_resources_must_be_offered_and_enough():
-    sandbox = {"cluster.sandbox": {"replicas": 3, "cpus": 1, "resources": {"cpu_node": 1}}}
-    assert refusal("1x0:cpus=8", **sandbox).startswith("cluster.sandbox.resources: asks for cpu_node, which no node")
-    assert refusal("1x0:cpus=8,cpu_node=2", **sandbox).startswith("cluster.sandbox.replicas: 3 replicas x 1 cpu_node")
+    sandbox = {"sandbox.replicas": 3, "sandbox.cpus": 1, "sandbox.resources": {"cpu_node": 1}}
+    assert refusal("1x0:cpus=8", **sandbox).startswith("sandbox.resources: asks for cpu_node, which no node")
+    assert refusal("1x0:cpus=8,cpu_node=2", **sandbox).startswith("sandbox.replicas: 3 replicas x 1 cpu_node")
 
 
 def test_tensor_parallel_must_divide_the_attention_heads():
-    assert refusal("1x0:cpus=2", **{"engine.tensor_parallel_size": 2}).startswith(
-        "engine.tensor_parallel_size: 2 does not divide the model's 3 attention heads"
+    assert refusal("1x0:cpus=2", **{"engines.tensor_parallel_size": 2}).startswith(
+        "engines.tensor_parallel_size: 2 does not divide the model's 3 attention heads"
     )
 
 
 @pytest.mark.parametrize(
     "fields, field",
     [
-        ({"cluster.engines.count": 4}, "cluster.engines.count"),  # colocated: one engine per rank
-        ({"engine.tensor_parallel_size": 2}, "engine.tensor_parallel_size"),  # colocated: TP 1
-        ({"cluster.trainer.gpus": 2}, "cluster.trainer.gpus"),
-        ({"cluster.sandbox.gpus": 1}, "cluster.sandbox.gpus"),
+        ({"engines.count": 4}, "engines.count"),  # colocated: one engine per rank
+        ({"engines.tensor_parallel_size": 2}, "engines.tensor_parallel_size"),  # colocated: TP 1
+        ({"trainer.gpus": 2}, "trainer.gpus"),
+        ({"sandbox.gpus": 1}, "sandbox.gpus"),
     ],
 )
 def test_colocated_pairs_one_rank_and_one_engine_per_gpu(fields, field):
-    base = {"cluster.trainer": {"ranks": 8, "gpus": 1}, "cluster.engines": {"count": 8, "gpus": 1}}
-    assert refusal("1x8x80", **gpu(**base, **fields)).startswith(field + ": ")
+    base = {"trainer.ranks": 8, "trainer.gpus": 1, "engines.count": 8, "engines.gpus": 1}
+    assert refusal("1x8x80", **gpu(**(base | fields))).startswith(field + ": ")
 
 
 def test_split_engines_hold_their_tensor_parallel_gpus():
-    message = refusal("1x8x80", **split(**{"cluster.engines.gpus": 1}))
-    assert message.startswith("cluster.engines.gpus: an engine holds engine.tensor_parallel_size = 2 GPUs")
+    message = refusal("1x8x80", **split(**{"engines.gpus": 1}))
+    assert message.startswith("engines.gpus: an engine holds engines.tensor_parallel_size = 2 GPUs")
 
 
 def test_over_memory_names_the_biggest_lever():
     paper = refusal("8x8x80+2x0:cpus=128,cpu_node=4", "qwen3-14b-paper.yaml")
-    assert paper.startswith("engine.kv_cache_gib: a trainer+engine GPU needs ~95.0 GiB")
+    assert paper.startswith("engines.kv_cache_gib: a trainer+engine GPU needs ~95.0 GiB")
     assert paper.endswith("at most 49.0 GiB of KV cache fits")
     # 40 GiB of bf16 weights unsharded (ZeRO-0) is 320 GiB a rank; ZeRO-3 is the lever.
-    big = split(ranks=4, **{"model.parameters_b": 20 * GIB / 1e9, "rl.optim.zero_stage": 0})
-    assert refusal("1x8x80", **big).startswith("rl.optim.zero_stage: a trainer GPU needs ~320.0 GiB")
+    big = split(ranks=4, **{"model.parameters_b": 20 * GIB / 1e9, "trainer.zero_stage": 0})
+    assert refusal("1x8x80", **big).startswith("trainer.zero_stage: a trainer GPU needs ~320.0 GiB")
 
 
 def test_an_unreadable_model_without_parameters_b_is_refused():
@@ -261,7 +261,7 @@ def test_cli_refusal_is_one_line_on_stderr_and_exit_2(capsys):
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1
     # Memory is checked before placement: the first thing to change is the KV cache, not CPU nodes.
-    assert captured.err.startswith("engine.kv_cache_gib: a trainer+engine GPU needs ~95.0 GiB")
+    assert captured.err.startswith("engines.kv_cache_gib: a trainer+engine GPU needs ~95.0 GiB")
 
 
 def test_cli_plans_this_machine_without_starting_ray_or_torch(monkeypatch):

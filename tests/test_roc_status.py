@@ -18,16 +18,15 @@ Run: .venv/bin/python -m pytest tests/test_roc_status.py -q
 
 import pytest
 
-from tasks.config import EngineConfig, RocConfig
+from tasks.config import EnginesConfig, RocConfig
+from tasks.records import Rollouts, RolloutSpec, ToolStatus, Trajectory
 from tasks.reward.verify import count_answer_blocks
 from tasks.rl.batch import training_batch, trajectory_score
 from tasks.rollout.agent import ToolRunner, run_rollouts
 from tasks.rollout.engine import FinishedTurn
 from tasks.rollout.format import TOOL_CALL_CLOSE, answer_text, tool_call_text
-from tasks.rollout.trajectory import Rollouts, RolloutSpec, Trajectory
 from tasks.sandbox.executor import Limits
 from tasks.sandbox.server import SandboxService
-from tasks.sandbox.status import ToolStatus
 from tests.sandbox_helpers import execute
 
 TOOL = "execute_python_code_with_standard_io"
@@ -95,7 +94,7 @@ class ScriptedEngines:
     """One engine whose assistant turns are written in advance, per rollout and turn."""
 
     def __init__(self, tokenizer: CharTokenizer, turns: list[list[str]]) -> None:
-        self.cfg = EngineConfig(max_model_len=32768)
+        self.cfg = EnginesConfig(max_model_len=32768)
         self.count, self.kv_tokens, self.serving, self.last_rollout_sizes = 1, [10**7], [True], []
         self.tokenizer, self.turns = tokenizer, turns
         self.finished: list[tuple[int, FinishedTurn]] = []

@@ -17,9 +17,9 @@ from transformers import AutoTokenizer
 from tasks.cluster.engines import engine_cores
 from tasks.config import RunConfig, default_config_path, load_config
 from tasks.data.problems import generate_problems
+from tasks.records import RolloutSpec
 from tasks.rollout.agent import run_rollouts
 from tasks.rollout.engine import available_cores
-from tasks.rollout.trajectory import RolloutSpec
 from tests.processes import alive, wait_gone
 
 SPEC = RolloutSpec(
@@ -33,7 +33,7 @@ SPEC = RolloutSpec(
 )
 # ~780 tokens of KV per engine: two ~330-token prompts fit, their growth does not
 # (128 hidden, 2 layers, 1 KV head of 64, fp32: 1 KiB a token).
-ENGINES = {"engine.kv_cache_gib": 0.00075, "engine.max_model_len": 512, "engine.block_size": 32}
+ENGINES = {"engines.kv_cache_gib": 0.00075, "engines.max_model_len": 512, "engines.block_size": 32}
 
 
 def run_config(model_dir: Path, engines: int, **overrides) -> RunConfig:
@@ -44,9 +44,9 @@ def run_config(model_dir: Path, engines: int, **overrides) -> RunConfig:
         {
             "model.path": str(model_dir),
             **ENGINES,
-            "cluster.engines.count": engines,
-            "cluster.engines.cpus": 0.25,
-            "cluster.ready_timeout_s": 180,  # a placement that cannot happen fails the test, not hangs it
+            "engines.count": engines,
+            "engines.cpus": 0.25,
+            "cluster.startup_timeout_s": 180,  # a placement that cannot happen fails the test, not hangs it
             "sandbox.workers": 2,
             # Budgets within max_model_len (the config refuses others); this file's own are in SPEC.
             "rl.stages": [
@@ -80,19 +80,19 @@ def test_engines_get_their_own_blocks_of_cores() -> None:
 def test_an_engine_actor_runs_engine_threads(model_dir, tmp_path) -> None:
     from tasks.runtime import Runtime
 
-    cfg = run_config(model_dir, 1, **{"engine.threads": 2})
+    cfg = run_config(model_dir, 1, **{"engines.threads": 2})
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with Runtime(cfg, model_dir, tmp_path / "run") as runtime:
         where = runtime.where
         # A few tokens first: the model runs on the actor's stepping thread, which must use the
         # threads too (before any other call reaches that thread), polled with a deadline: an
         # engine whose stepping thread died answers nothing, ever.
-        runtime.engine.add_request(0, "r", tokenizer("1 + 1")["input_ids"], 4, 1.0, 1.0, [])
+        runtime.engines.add_request(0, "r", tokenizer("1 + 1")["input_ids"], 4, 1.0, 1.0, [])
         finished, deadline = [], time.monotonic() + 30
         while not finished and time.monotonic() < deadline:
-            finished = runtime.engine.poll(timeout=1.0)
+            finished = runtime.engines.poll(timeout=1.0)
         assert [(engine, turn.request_id) for engine, turn in finished] == [(0, "r")], "the engine generated nothing"
-        (stats,) = runtime.engine.stats()
+        (stats,) = runtime.engines.stats()
     assert stats["threads"] == 2, stats
     assert_gone(started_pids(where))
 
@@ -111,7 +111,7 @@ def runtime(model_dir, tmp_path_factory):
 @pytest.mark.parametrize("policy", ["static", "kv_aware", "kv_observed"])
 @pytest.mark.slow
 def test_rollouts_complete_on_two_engine_actors(model_dir, runtime, policy) -> None:
-    pool, tools = runtime.engine, runtime.tools
+    pool, tools = runtime.engines, runtime.tools
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     problems = [(p.problem_id, p.question) for p in generate_problems(4, [1], seed=3)]
     # kv_observed: as if the previous batch's rollouts had held 200 tokens each.
@@ -146,22 +146,21 @@ def test_rollouts_complete_on_two_engine_actors(model_dir, runtime, policy) -> N
 def test_each_engine_actor_runs_on_its_own_cores(runtime) -> None:
     engines = [row for row in runtime.where if row["role"] == "engine"]
     assert len({row["pid"] for row in engines}) == 2  # two processes
-    for index, stats in enumerate(runtime.engine.stats()):
-        assert stats["threads"] == runtime.cfg.engine.threads == 1
+    for index, stats in enumerate(runtime.engines.stats()):
+        assert stats["threads"] == runtime.cfg.engines.threads == 1
         assert stats["cores"] == engine_cores(index, 1, available_cores()), (index, stats)
 
 
 @pytest.mark.slow
 def test_evaluation_samples_differ_at_temperature_0_6(model_dir, runtime) -> None:
     """avg@k needs k real samples: the release evaluated greedily, which makes avg@16 one sample."""
-    from tasks.rollout.trajectory import rollout_spec
 
     cfg = load_config(default_config_path())
-    spec = rollout_spec(cfg.rollout, cfg.eval.model_copy(update={"max_response_tokens": 48}))
+    spec = cfg.rollout.spec(cfg.eval.model_copy(update={"max_response_tokens": 48}))
     assert spec.temperature == 0.6
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     problems = [(p.problem_id, p.question) for p in generate_problems(3, [1], seed=5)]
-    trajectories, _ = run_rollouts(runtime.engine, runtime.tools, tokenizer, problems, 4, spec)
+    trajectories, _ = run_rollouts(runtime.engines, runtime.tools, tokenizer, problems, 4, spec)
     for problem_id, _ in problems:
         responses = [tuple(t.response_ids) for t in trajectories if t.problem_id == problem_id]
         assert len(responses) == 4 and len(set(responses)) == 4, problem_id

@@ -17,10 +17,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from tasks.records import ToolResult, ToolStatus
 from tasks.sandbox.client import SandboxClient, SandboxOutage
 from tasks.sandbox.executor import TRUNCATION_MARKER, Limits
 from tasks.sandbox.server import SandboxService, _free_port
-from tasks.sandbox.status import ToolResult, ToolStatus
 from tests.sandbox_helpers import execute, service_with_secret
 
 # Short limits keep the timeout tests quick.
@@ -210,11 +210,11 @@ def test_dead_url_gives_internal_without_raising() -> None:
 
 
 def test_no_replica_answering_for_outage_s_stops_the_caller() -> None:
-    """A short outage comes back as INTERNAL; one longer than outage_s raises, so the attempt stops."""
+    """A short outage comes back as INTERNAL; one longer than outage_timeout_s raises, so the attempt stops."""
     dead = [f"http://127.0.0.1:{_free_port('127.0.0.1')}" for _ in range(2)]
 
     async def go() -> tuple[ToolResult, BaseException | None]:
-        async with SandboxClient(dead, retries=1, backoff_s=0.01, outage_s=0.3) as client:
+        async with SandboxClient(dead, retries=1, backoff_s=0.01, outage_timeout_s=0.3) as client:
             first = await client.execute("print(1)")
             await asyncio.sleep(0.4)
             try:

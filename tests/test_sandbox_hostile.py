@@ -17,10 +17,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from tasks.records import ToolResult, ToolStatus
 from tasks.sandbox.client import SandboxClient
 from tasks.sandbox.executor import TRUNCATION_MARKER, Limits
 from tasks.sandbox.server import SandboxService
-from tasks.sandbox.status import ToolResult, ToolStatus
 from tests.sandbox_helpers import execute, service_with_secret
 
 LIMITS = Limits(timeout_s=1.5, cpu_s=1, memory_mb=256, output_bytes=2048, processes=16)

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from tasks.config import load_config
-from tasks.store.run_folder import RunContext, saved_policy
+from tasks.records import RunContext
+from tasks.store.run_folder import saved_policy
 
 STAGE = {"steps": 1, "max_response_tokens": 32, "max_turns": 1, "problems_per_step": 1}
 

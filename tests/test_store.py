@@ -1,5 +1,5 @@
-"""Parquet, JSON and text writes are atomic, stage wall times survive a resume, and the README's
-DuckDB query works on the rollout layout.
+"""Parquet, JSON and text writes are atomic, stage wall times survive a resume, the README's
+DuckDB query works on the rollout layout, and a run's identity leaves out its placement.
 
 Run: .venv/bin/python -m pytest tests/test_store.py -q
 """
@@ -11,6 +11,8 @@ import duckdb
 import pyarrow as pa
 import pytest
 
+from tasks.config import default_config_path, load_config
+from tasks.store.run_folder import PLACEMENT, open_run
 from tasks.store.tables import PROBLEMS, STEPS, read_table, step_part, write_json, write_table, write_text
 from tasks.summary.run_card import Stopwatch
 
@@ -68,3 +70,29 @@ def test_stage_wall_times_add_up_over_a_runs_attempts(tmp_path):
     assert second.lap("sft") >= 0.05
     assert second.total() == pytest.approx(second.spent["base model"] + second.spent["sft"])
     assert Stopwatch(tmp_path).spent == second.spent
+
+
+def test_a_run_resumes_with_another_placement_but_not_with_another_config(tmp_path):
+    def config(**overrides):
+        return load_config(default_config_path(), {"output_dir": str(tmp_path), **overrides})
+
+    run_id, folder = open_run(config(), "r")
+    assert (run_id, folder) == ("r", tmp_path / "runs" / "r")
+    # Another cluster, more ranks and engines: the same run, and config.json records where it is now.
+    moved = config(**{"cluster.address": "10.0.0.1:6379", "trainer.ranks": 2, "engines.count": 2})
+    assert open_run(moved, "r") == (run_id, folder)
+    assert json.loads((folder / "config.json").read_text())["cluster"]["address"] == "10.0.0.1:6379"
+    recorded = (folder / "config.json").read_text()
+    with pytest.raises(ValueError, match=r"\(rl\.optim\.lr, sft\.epochs differ\)"):
+        open_run(config(**{"rl.optim.lr": 1e-3, "sft.epochs": 1, "sandbox.replicas": 3}), "r")
+    assert (folder / "config.json").read_text() == recorded  # a refusal changes nothing
+    assert open_run(config(), None)[0].startswith("tiny-")
+
+
+def test_every_placement_field_is_a_field_of_the_config():
+    tree = load_config(default_config_path()).model_dump()
+    for path in PLACEMENT:
+        node = tree
+        for key in path.split("."):
+            assert key in node, path
+            node = node[key]

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from tasks.config import LossConfig, OptimConfig, TinyModelConfig
 from tasks.data.problems import generate_problems
-from tasks.train.sample import Sample
+from tasks.records import Sample
 from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer, by_length, lr_multiplier
 
@@ -22,7 +22,7 @@ def trainer(tmp_path_factory):
     problems = generate_problems(32, [1], seed=0)
     cfg = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=1, num_kv_heads=1, intermediate_size=128)
     model_dir = build_tiny_model(cfg, [p.question for p in problems], seed=0, out_dir=tmp_path_factory.mktemp("m"))
-    optim = OptimConfig(lr=1e-2, warmup_steps=0, zero_stage=2, micro_batch_size=2)
+    optim = OptimConfig(lr=1e-2, warmup_steps=0, micro_batch_size=2)
     return Trainer(model_dir, optim, total_steps=10)
 
 
@@ -72,7 +72,7 @@ def test_update_does_not_depend_on_the_micro_batch_size(trainer, tmp_path):
     ]
     metrics = [
         Trainer(
-            model_dir, OptimConfig(lr=1e-2, warmup_steps=0, zero_stage=1, micro_batch_size=size), total_steps=2
+            model_dir, OptimConfig(lr=1e-2, warmup_steps=0, micro_batch_size=size), total_steps=2, zero_stage=1
         ).rl_step(samples, LossConfig(), temperature=0.6)
         for size in (2, 8)
     ]
@@ -94,9 +94,10 @@ def test_zero3_and_bf16_update_and_export_full_weights(trainer, zero_stage, dtyp
     trainer.save_pretrained(model_dir)
     other = Trainer(
         model_dir,
-        OptimConfig(lr=1e-2, warmup_steps=0, zero_stage=zero_stage, micro_batch_size=2),
+        OptimConfig(lr=1e-2, warmup_steps=0, micro_batch_size=2),
         total_steps=3,
         dtype=dtype,
+        zero_stage=zero_stage,
     )
     before = {name: tensor.float().clone() for name, tensor in other.named_weights()}
     metrics = other.rl_step(_samples([1.0, -1.0, 1.0]), LossConfig())
@@ -121,9 +122,10 @@ def test_stage_boundary_reset_keeps_weights_and_drops_optimizer_state(trainer, t
         {
             "model.path": str(model_dir),
             # lr x 1/3, 2/3, then 1: each step of a warm-up shows in the step's lr.
-            "rl.optim": {"lr": 1e-2, "warmup_steps": 2, "zero_stage": 1, "micro_batch_size": 2},
-            "engine.kv_cache_gib": 0.01,
-            "cluster.ready_timeout_s": 180,
+            "rl.optim": {"lr": 1e-2, "warmup_steps": 2, "micro_batch_size": 2},
+            "trainer.zero_stage": 1,
+            "engines.kv_cache_gib": 0.01,
+            "cluster.startup_timeout_s": 180,
         },
     )
     samples = _samples([1.0, -1.0])
@@ -147,8 +149,8 @@ def test_exact_match_is_what_greedy_decoding_reproduces_and_ends_a_phase_early(t
 
     cfg = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=1, num_kv_heads=1, intermediate_size=128)
     model_dir = build_tiny_model(cfg, [p.question for p in generate_problems(32, [1], seed=0)], 0, tmp_path)
-    optim = OptimConfig(lr=3e-3, schedule="constant", warmup_steps=0, zero_stage=1, micro_batch_size=4)
-    trainer = Trainer(model_dir, optim, total_steps=100)
+    optim = OptimConfig(lr=3e-3, schedule="constant", warmup_steps=0, micro_batch_size=4)
+    trainer = Trainer(model_dir, optim, total_steps=100, zero_stage=1)
 
     sequence = Sample(list(range(3, 15)), [0] * 4 + [1] * 8)
     checks = []

@@ -15,11 +15,11 @@ import ray
 import torch
 
 from tasks.cluster.connect import RayCluster
-from tasks.cluster.trainers import TrainerGroup, TrainerRank
-from tasks.config import LossConfig, OptimConfig, TinyModelConfig
+from tasks.cluster.trainers import TrainerActor, TrainerGroup
+from tasks.config import LossConfig, OptimConfig, TinyModelConfig, TrainerConfig
 from tasks.config.cluster import ClusterConfig
 from tasks.data.problems import generate_problems
-from tasks.train.sample import Sample
+from tasks.records import Sample
 from tasks.train.tiny_model import build_tiny_model
 from tests.processes import wait_gone
 
@@ -58,7 +58,7 @@ def cluster():
 @contextmanager
 def rank_actors(world: int):
     """`world` new rank actors, one process each; killed at the end, and their processes gone."""
-    actors = [ray.remote(TrainerRank).options(num_cpus=1).remote(rank, world) for rank in range(world)]
+    actors = [ray.remote(TrainerActor).options(num_cpus=1).remote(rank, world) for rank in range(world)]
     pids = [where["pid"] for where in ray.get([a.where.remote() for a in actors], timeout=120)]
     assert len(set(pids)) == world and os.getpid() not in pids
     try:
@@ -82,8 +82,9 @@ def solo(cluster):
 
 
 def trainers(actors: list, model_dir: Path, zero_stage: int, warmup_steps: int = 0) -> TrainerGroup:
-    optim = OptimConfig(lr=LR, warmup_steps=warmup_steps, zero_stage=zero_stage, micro_batch_size=2)
-    return TrainerGroup(actors, timeout_s=300).start(model_dir, optim, 10, "float32", seed=0, threads=1)
+    optim = OptimConfig(lr=LR, warmup_steps=warmup_steps, micro_batch_size=2)
+    role = TrainerConfig(ranks=len(actors), zero_stage=zero_stage)
+    return TrainerGroup(actors, timeout_s=300).start(model_dir, optim, 10, "float32", seed=0, role=role)
 
 
 def max_diff(a: dict, b: dict) -> float:

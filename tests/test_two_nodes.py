@@ -46,18 +46,18 @@ pytestmark = pytest.mark.slow  # starts engines or trains
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 ACTORS = {
-    "cluster.trainer.ranks": 2,
-    "cluster.trainer.cpus": 1,
-    "cluster.engines.count": 2,
-    "cluster.engines.cpus": 0.5,
-    "cluster.sandbox.replicas": 2,
-    "cluster.sandbox.cpus": 0.5,
+    "trainer.ranks": 2,
+    "trainer.cpus": 1,
+    "engines.count": 2,
+    "engines.cpus": 0.5,
+    "sandbox.replicas": 2,
+    "sandbox.cpus": 0.5,
     "sandbox.workers": 1,
 }
 ON_NODES = {
-    "cluster.trainer.resources": {"gpu_node": 1},
-    "cluster.engines.resources": {"gpu_node": 1},
-    "cluster.sandbox.resources": {"cpu_node": 1},
+    "trainer.resources": {"gpu_node": 1},
+    "engines.resources": {"gpu_node": 1},
+    "sandbox.resources": {"cpu_node": 1},
 }
 TABLES = ["rollouts", "steps"]
 
@@ -147,7 +147,7 @@ def stopped_until_the_node_is_back(cluster: Cluster, on_cluster: dict, root: Pat
     """Engines only an engine node can hold, and that node removed after step 0: the attempt
     fails (every engine gone), its retry cannot place them and the run stops with the plan's
     error; run again with the same id once a node is back, it goes on from step 0's checkpoint."""
-    pinned = {**on_cluster, "cluster.engines.resources": {"engine_node": 1}}
+    pinned = {**on_cluster, "engines.resources": {"engine_node": 1}}
     run_dir, log = root / "runs" / "node-gone", []
     node = cluster.add_node(num_cpus=1, resources={"engine_node": 2})
     injector = threading.Thread(
@@ -206,7 +206,7 @@ def runs(tmp_path_factory):
         faults["actors"] = run_with(kill_sandbox_and_engine, "actors-die", on_cluster, root)
         faults["rank"] = run_with(kill_rank, "rank-dies", on_cluster, root)
         # Sandboxes that may live on any node: the ones on the CPU node can move when it goes.
-        movable = {**on_cluster, "cluster.sandbox.resources": {}}
+        movable = {**on_cluster, "sandbox.resources": {}}
         faults["node"] = run_with(remove_node, "node-lost", movable, root, cluster, cpu_node)
         faults["gone"] = stopped_until_the_node_is_back(cluster, movable, root)  # (the CPU node is gone)
     finally:

@@ -6,11 +6,11 @@ Run: .venv/bin/python -m pytest tests/test_weight_sync.py -q   (about two minute
 
 import pytest
 
-from tasks.config import EngineConfig, OptimConfig
+from tasks.config import EnginesConfig, OptimConfig
 from tasks.data.problems import generate_problems
+from tasks.records import Sample
 from tasks.rollout.engine import Engine
 from tasks.rollout.metrics import max_logprob_gap
-from tasks.train.sample import Sample
 from tasks.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # starts engines or trains
@@ -26,9 +26,9 @@ def test_engine_log_probs_follow_the_trainer(model_dir, eager):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     texts = [p.question + "\n" + p.solution_code for p in generate_problems(8, [1, 2], seed=1)]
     samples = [Sample(ids, [1] * len(ids), advantage=1.0) for ids in tokenizer(texts)["input_ids"]]
-    cfg = EngineConfig(kv_cache_gib=0.05, max_model_len=256, enforce_eager=eager)
+    cfg = EnginesConfig(kv_cache_gib=0.05, max_model_len=256, enforce_eager=eager)
     engine = Engine(model_dir, cfg, seed=0).start()
-    trainer = Trainer(model_dir, OptimConfig(lr=1e-2, warmup_steps=0, zero_stage=1, micro_batch_size=4), 10)
+    trainer = Trainer(model_dir, OptimConfig(lr=1e-2, warmup_steps=0, micro_batch_size=4), 10, zero_stage=1)
     sequences = [s.token_ids for s in samples]
     assert max_logprob_gap(engine.prompt_logprobs(sequences), trainer.token_logprobs(samples)) < TOLERANCE
 
@@ -58,30 +58,31 @@ def test_every_engine_actor_follows_the_trainer_rank(model_dir, tmp_path, backen
         default_config_path(),
         {
             "model.path": str(model_dir),
-            "engine.kv_cache_gib": 0.05,
-            "rl.optim": {"lr": 1e-2, "warmup_steps": 0, "zero_stage": 1, "micro_batch_size": 4},
-            "cluster.engines.count": 2,
-            "cluster.engines.cpus": 0.25,  # trainer, two engines and the sandbox on two cores
+            "engines.kv_cache_gib": 0.05,
+            "rl.optim": {"lr": 1e-2, "warmup_steps": 0, "micro_batch_size": 4},
+            "trainer.zero_stage": 1,
+            "engines.count": 2,
+            "engines.cpus": 0.25,  # trainer, two engines and the sandbox on two cores
             "cluster.weight_sync": backend,
-            "cluster.ready_timeout_s": 180,
-            "cluster.sync_timeout_s": 120,
+            "cluster.startup_timeout_s": 180,
+            "cluster.weight_sync_timeout_s": 120,
         },
     )
     with Runtime(cfg, model_dir, tmp_path / "run") as runtime:
-        assert len(runtime.engine.kv_tokens) == 2 and min(runtime.engine.kv_tokens) > 0
+        assert len(runtime.engines.kv_tokens) == 2 and min(runtime.engines.kv_tokens) > 0
         trainer = runtime.policy_trainer(total_steps=10, reset_optimizer=False)
 
         def gaps() -> list[float]:
             """Each engine's worst log-prob gap to the trainer rank."""
             trainer_view = trainer.token_logprobs(samples)
-            return [max_logprob_gap(view, trainer_view) for view in runtime.engine.prompt_logprobs(sequences)]
+            return [max_logprob_gap(view, trainer_view) for view in runtime.engines.prompt_logprobs(sequences)]
 
         fresh = gaps()
         assert max(fresh) < TOLERANCE, fresh  # the same weights on both sides before any update
         trainer.sft_step(samples)
         stale = gaps()
         assert min(stale) > 10 * TOLERANCE, stale
-        sent = runtime.weights.push()
-        assert runtime.weights.backend == backend and sent["bytes"] > 0, sent
+        sent = runtime.weight_sync.push()
+        assert runtime.weight_sync.backend == backend and sent["bytes"] > 0, sent
         synced = gaps()
         assert max(synced) < TOLERANCE, synced

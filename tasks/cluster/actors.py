@@ -15,11 +15,11 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tasks.cluster.engines import EngineServer
-from tasks.cluster.sandboxes import SandboxReplica
-from tasks.cluster.trainers import TrainerRank
+from tasks.cluster.engines import EngineActor
+from tasks.cluster.sandboxes import SandboxActor
+from tasks.cluster.trainers import TrainerActor
 from tasks.config import RunConfig
-from tasks.config.cluster import ActorResources
+from tasks.config.roles import ActorResources
 from tasks.sandbox.limits import Limits
 
 ENGINE_CONCURRENCY = 4  # a take waiting for turns, requests arriving, a control call
@@ -72,48 +72,48 @@ class Placement:
 
     def start(self, cfg: RunConfig, model_dir: Path, run_dir: Path, with_sandboxes: bool) -> Placement:
         c = cfg.cluster
-        timeout = c.ready_timeout_s
-        colocated = c.placement == "colocated" and c.trainer.gpus > 0
+        timeout = c.startup_timeout_s
+        colocated = c.placement == "colocated" and cfg.trainer.gpus > 0
         if colocated:
             # One GPU per bundle, half of it to the rank and half to the engine beside it.
-            shared = _bundle(c.trainer, 1, c.trainer.cpus + c.engines.cpus)
-            for name, amount in c.engines.resources.items():
+            shared = _bundle(cfg.trainer, 1, cfg.trainer.cpus + cfg.engines.cpus)
+            for name, amount in cfg.engines.resources.items():
                 shared[name] = shared.get(name, 0) + amount
-            pg = self._group([shared] * c.trainer.ranks, "PACK", "trainer+engines", timeout)
+            pg = self._group([shared] * cfg.trainer.ranks, "PACK", "trainer+engines", timeout)
             rank_slots = engine_slots = [(pg, b) for b in _in_node_order(pg)]
             rank_gpus = engine_gpus = 0.5
         else:
-            pg = self._group([_bundle(c.trainer, c.trainer.gpus)] * c.trainer.ranks, "PACK", "trainer", timeout)
+            pg = self._group([_bundle(cfg.trainer, cfg.trainer.gpus)] * cfg.trainer.ranks, "PACK", "trainer", timeout)
             rank_slots = [(pg, b) for b in _in_node_order(pg)]
-            pg = self._group([_bundle(c.engines, c.engines.gpus)] * c.engines.count, "PACK", "engines", timeout)
+            pg = self._group([_bundle(cfg.engines, cfg.engines.gpus)] * cfg.engines.count, "PACK", "engines", timeout)
             engine_slots = [(pg, b) for b in _in_node_order(pg)]
-            rank_gpus, engine_gpus = c.trainer.gpus, c.engines.gpus
-        rank_actor = ray.remote(TrainerRank)
+            rank_gpus, engine_gpus = cfg.trainer.gpus, cfg.engines.gpus
+        rank_actor = ray.remote(TrainerActor)
         self.ranks = [
-            rank_actor.options(**self._at(pg, b, c.trainer, rank_gpus)).remote(rank, c.trainer.ranks)
+            rank_actor.options(**self._at(pg, b, cfg.trainer, rank_gpus)).remote(rank, cfg.trainer.ranks)
             for rank, (pg, b) in enumerate(rank_slots)
         ]
-        engine_actor = ray.remote(EngineServer)
-        engine_cfg = cfg.engine.model_dump()
+        engine_actor = ray.remote(EngineActor)
+        engine_cfg = cfg.engines.model_dump()
         self.engines = [
             engine_actor.options(
-                **self._at(pg, b, c.engines, engine_gpus),
+                **self._at(pg, b, cfg.engines, engine_gpus),
                 max_concurrency=ENGINE_CONCURRENCY,
-                max_restarts=c.engines.max_restarts,
-            ).remote(index, str(model_dir), engine_cfg, cfg.seed + index, cfg.model.dtype, c.engines.count > 1)
-            for index, (pg, b) in enumerate(engine_slots[: c.engines.count])
+                max_restarts=cfg.engines.max_restarts,
+            ).remote(index, str(model_dir), engine_cfg, cfg.seed + index, cfg.model.dtype, cfg.engines.count > 1)
+            for index, (pg, b) in enumerate(engine_slots[: cfg.engines.count])
         ]
         if with_sandboxes:
             box = cfg.sandbox
             limits = Limits(
-                timeout_s=box.timeout_s,
-                cpu_s=max(1, int(box.timeout_s)),
+                timeout_s=box.program_timeout_s,
+                cpu_s=max(1, int(box.program_timeout_s)),
                 memory_mb=box.memory_mb,
                 output_bytes=box.output_bytes,
             )
-            spec = c.sandbox
+            spec = cfg.sandbox
             pg = self._group([_bundle(spec, 0)] * spec.replicas, "SPREAD", "sandbox", timeout)
-            replica = ray.remote(SandboxReplica)
+            replica = ray.remote(SandboxActor)
             self.sandboxes = [
                 replica.options(**self._at(pg, b, spec, 0), max_restarts=spec.max_restarts).remote(
                     index, box.workers, limits, str(run_dir / "logs")

@@ -25,7 +25,7 @@ import torch
 
 from tasks.cluster.connect import placement_record
 from tasks.cluster.weights import BucketLayout, SyncGroup, broadcast, bucket_size, unpack_bucket
-from tasks.config import EngineConfig
+from tasks.config import EnginesConfig
 from tasks.rollout.engine import Engine, FinishedTurn, available_cores, weights_from_dir
 
 TAKE_WAIT_S = 0.5  # how long one `take` waits for finished turns before answering empty
@@ -38,12 +38,12 @@ def engine_cores(index: int, threads: int, cores: list[int]) -> list[int]:
     return [cores[(index * threads + k) % len(cores)] for k in range(threads)]
 
 
-class EngineServer:
+class EngineActor:
     """The body of an engine actor: one engine, stepped by a thread of its own."""
 
     def __init__(self, index: int, model_dir: str, cfg: dict, seed: int, dtype: str, pin_cores: bool):
         self.index = index
-        cfg = EngineConfig(**cfg)
+        cfg = EnginesConfig(**cfg)
         if pin_cores and not torch.cuda.is_available() and hasattr(os, "sched_setaffinity"):
             # Engines of one node on blocks of their own, so their OpenMP threads do not contend.
             os.sched_setaffinity(0, engine_cores(index, cfg.threads, available_cores()))
@@ -59,7 +59,7 @@ class EngineServer:
     def _serve(self) -> None:
         if not torch.cuda.is_available():
             # OpenMP's thread count is per thread: the model runs on this one, not on the
-            # actor's, and vLLM-CPU's attention checks it against the engine's (engine.threads).
+            # actor's, and vLLM-CPU's attention checks it against the engine's (engines.threads).
             torch._C.set_num_threads(self.engine.cfg.threads)
         try:
             self._serve_until_stopped()
@@ -173,14 +173,14 @@ ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError
 
 
 class EngineGroup:
-    """The engine actors of a run, driven like one pool: the agent loop's interface.
+    """The engine actors of a run, driven as one group: the interface the agent loop drives.
 
     An engine whose actor dies stops serving at once: `failed()` names it to the agent loop,
-    which moves its rollouts to the others. Ray restarts the actor (cluster.engines.max_restarts)
+    which moves its rollouts to the others. Ray restarts the actor (engines.max_restarts)
     with the weights it started from, so it serves again only after `restarted()` has found it up
     and the trainer's current weights have been pushed into it (tasks/cluster/sync.py)."""
 
-    def __init__(self, actors: list, cfg: EngineConfig):
+    def __init__(self, actors: list, cfg: EnginesConfig):
         self.actors, self.cfg = actors, cfg
         self.kv_tokens: list[int] = ray.get([a.kv_tokens.remote() for a in actors])
         self.serving = [True] * len(actors)

@@ -166,13 +166,13 @@ def trainer_memory(params: float, dtype: str, zero_stage: int, ranks: int) -> di
 def _gpu_loads(cfg: RunConfig, params: float, colocated: bool) -> dict[str, dict[str, float]]:
     """What each kind of GPU the plan uses holds: kind -> part -> GiB. An engine's GPU holds its
     share of the weights and the KV cache, which vLLM sizes per GPU (kv_cache_memory_bytes)."""
-    c, dtype = cfg.cluster, cfg.model.dtype
-    trainer = trainer_memory(params, dtype, cfg.rl.optim.zero_stage, c.trainer.ranks)
-    engine_weights = DTYPE_BYTES[dtype] * params / cfg.engine.tensor_parallel_size / GIB
-    engine = {"engine weights": engine_weights, "kv cache": cfg.engine.kv_cache_gib}
+    dtype = cfg.model.dtype
+    trainer = trainer_memory(params, dtype, cfg.trainer.zero_stage, cfg.trainer.ranks)
+    engine_weights = DTYPE_BYTES[dtype] * params / cfg.engines.tensor_parallel_size / GIB
+    engine = {"engine weights": engine_weights, "kv cache": cfg.engines.kv_cache_gib}
     if colocated:
         return {"trainer+engine": trainer | engine}
-    return ({"trainer": trainer} if c.trainer.gpus else {}) | ({"engine": engine} if c.engines.gpus else {})
+    return ({"trainer": trainer} if cfg.trainer.gpus else {}) | ({"engine": engine} if cfg.engines.gpus else {})
 
 
 def _biggest_lever(cfg: RunConfig, params: float, parts: dict[str, float], over: float) -> tuple[str, str]:
@@ -181,19 +181,19 @@ def _biggest_lever(cfg: RunConfig, params: float, parts: dict[str, float], over:
     if "kv cache" in parts:
         keep = parts["kv cache"] - over
         advice = f"at most {keep:.1f} GiB of KV cache fits" if keep > 0 else "it would not fit even with no KV cache"
-        levers.append((parts["kv cache"], "engine.kv_cache_gib", advice))
-    stage, ranks, tp = cfg.rl.optim.zero_stage, cfg.cluster.trainer.ranks, cfg.engine.tensor_parallel_size
+        levers.append((parts["kv cache"], "engines.kv_cache_gib", advice))
+    stage, ranks, tp = cfg.trainer.zero_stage, cfg.trainer.ranks, cfg.engines.tensor_parallel_size
     if "optimizer" in parts:  # the trainer's share: a higher ZeRO stage, or more ranks to shard over
         for name, stage_to, ranks_to, change in (
-            ("rl.optim.zero_stage", 3, ranks, "ZeRO-3"),
-            ("cluster.trainer.ranks", stage, 2 * ranks, f"{2 * ranks} ranks"),
+            ("trainer.zero_stage", 3, ranks, "ZeRO-3"),
+            ("trainer.ranks", stage, 2 * ranks, f"{2 * ranks} ranks"),
         ):
             after = trainer_memory(params, cfg.model.dtype, stage_to, ranks_to)
             saved = sum(parts[p] - after[p] for p in after)
             levers.append((saved, name, f"{change} would free {saved:.1f} GiB"))
     if "engine weights" in parts and cfg.cluster.placement == "split":
         saved = parts["engine weights"] / 2
-        levers.append((saved, "engine.tensor_parallel_size", f"{2 * tp} would free {saved:.1f} GiB"))
+        levers.append((saved, "engines.tensor_parallel_size", f"{2 * tp} would free {saved:.1f} GiB"))
     _, name, advice = max(levers)
     return name, advice
 
@@ -241,7 +241,7 @@ NOUNS = {"ranks": "ranks", "count": "engines", "replicas": "replicas"}
 class _Ask:
     """One role's request: `count` actors, each needing `needs` ({"CPU": .., "GPU": whole GPUs, custom..})."""
 
-    section: str  # cluster.trainer, cluster.engines, cluster.sandbox
+    section: str  # trainer, engines, sandbox
     count_name: str  # ranks, count, replicas
     count: int
     needs: dict[str, float]
@@ -293,24 +293,24 @@ def _check_totals(asks: list[_Ask], resources: Resources) -> None:
 
 
 def _check_shape(cfg: RunConfig, shape: ModelShape, colocated: bool) -> None:
-    c, tp = cfg.cluster, cfg.engine.tensor_parallel_size
+    tp = cfg.engines.tensor_parallel_size
     if shape.heads and shape.heads % tp:
-        raise PlanError(f"engine.tensor_parallel_size: {tp} does not divide the model's {shape.heads} attention heads")
-    if c.trainer.gpus > 1 or (c.trainer.gpus % 1 and not colocated):
-        raise PlanError(f"cluster.trainer.gpus: a rank drives one GPU, a whole one when split (got {c.trainer.gpus:g})")
-    if c.sandbox.gpus:
-        raise PlanError(f"cluster.sandbox.gpus: sandbox replicas run programs on CPUs (got {c.sandbox.gpus:g})")
+        raise PlanError(f"engines.tensor_parallel_size: {tp} does not divide the model's {shape.heads} attention heads")
+    if cfg.trainer.gpus > 1 or (cfg.trainer.gpus % 1 and not colocated):
+        raise PlanError(f"trainer.gpus: a rank drives one GPU, a whole one when split (got {cfg.trainer.gpus:g})")
+    if cfg.sandbox.gpus:
+        raise PlanError(f"sandbox.gpus: sandbox replicas run programs on CPUs (got {cfg.sandbox.gpus:g})")
     if colocated:
         if tp != 1:
-            raise PlanError(f"engine.tensor_parallel_size: colocated, each engine shares one rank's GPU (got {tp})")
-        if c.engines.count != c.trainer.ranks:
+            raise PlanError(f"engines.tensor_parallel_size: colocated, each engine shares one rank's GPU (got {tp})")
+        if cfg.engines.count != cfg.trainer.ranks:
             raise PlanError(
-                f"cluster.engines.count: colocated, one engine per rank's GPU: {c.trainer.ranks}, not {c.engines.count}"
+                f"engines.count: colocated, one engine per rank's GPU: {cfg.trainer.ranks}, not {cfg.engines.count}"
             )
         return
-    if c.engines.gpus and c.engines.gpus != tp:
+    if cfg.engines.gpus and cfg.engines.gpus != tp:
         raise PlanError(
-            f"cluster.engines.gpus: an engine holds engine.tensor_parallel_size = {tp} GPUs, not {c.engines.gpus:g}"
+            f"engines.gpus: an engine holds engines.tensor_parallel_size = {tp} GPUs, not {cfg.engines.gpus:g}"
         )
 
 
@@ -318,40 +318,40 @@ def build_plan(cfg: RunConfig, resources: Resources) -> Plan:
     """Place the config's actors on `resources` and estimate each GPU's memory; PlanError if the
     plan cannot fit."""
     c = cfg.cluster
-    colocated = c.placement == "colocated" and c.trainer.gpus > 0  # as tasks/cluster/actors.py decides
+    colocated = c.placement == "colocated" and cfg.trainer.gpus > 0  # as tasks/cluster/actors.py decides
     shape = model_shape(cfg)
     _check_shape(cfg, shape, colocated)
     loads = _gpu_loads(cfg, shape.params, colocated)
     _check_memory(cfg, shape.params, loads, resources)
     if colocated:  # one bundle per GPU: a rank and its engine, their CPUs and resources together
-        both = dict(Counter(c.trainer.resources) + Counter(c.engines.resources))
-        roles = [_ask("cluster.trainer", "ranks", c.trainer.ranks, c.trainer.cpus + c.engines.cpus, 1, both)]
+        both = dict(Counter(cfg.trainer.resources) + Counter(cfg.engines.resources))
+        roles = [_ask("trainer", "ranks", cfg.trainer.ranks, cfg.trainer.cpus + cfg.engines.cpus, 1, both)]
     else:
-        engine_gpus = cfg.engine.tensor_parallel_size if c.engines.gpus else 0
+        engine_gpus = cfg.engines.tensor_parallel_size if cfg.engines.gpus else 0
         roles = [
-            _ask("cluster.trainer", "ranks", c.trainer.ranks, c.trainer.cpus, int(c.trainer.gpus), c.trainer.resources),
-            _ask("cluster.engines", "count", c.engines.count, c.engines.cpus, engine_gpus, c.engines.resources),
+            _ask("trainer", "ranks", cfg.trainer.ranks, cfg.trainer.cpus, int(cfg.trainer.gpus), cfg.trainer.resources),
+            _ask("engines", "count", cfg.engines.count, cfg.engines.cpus, engine_gpus, cfg.engines.resources),
         ]
-    sandbox = _ask("cluster.sandbox", "replicas", c.sandbox.replicas, c.sandbox.cpus, 0, c.sandbox.resources)
+    sandbox = _ask("sandbox", "replicas", cfg.sandbox.replicas, cfg.sandbox.cpus, 0, cfg.sandbox.resources)
     _check_totals([*roles, sandbox], resources)
     free = [n.offers() for n in resources.nodes]
     slots = [_place(resources, free, ask, spread=False) for ask in roles]
     slots = [slots[0], slots[0]] if colocated else slots  # engine i beside rank i
     actors = []
-    for role, spec, placed in zip(("trainer", "engine"), (c.trainer, c.engines), slots):
+    for role, spec, placed in zip(("trainer", "engine"), (cfg.trainer, cfg.engines), slots):
         actors += [
             Actor(role, i, node, spec.cpus, 0.5 if colocated else len(gpus), gpus, spec.resources)
             for i, (node, gpus) in enumerate(placed)
         ]
     actors += [
-        Actor("sandbox", i, node, c.sandbox.cpus, 0, (), c.sandbox.resources)
+        Actor("sandbox", i, node, cfg.sandbox.cpus, 0, (), cfg.sandbox.resources)
         for i, (node, _) in enumerate(_place(resources, free, sandbox, spread=True))
     ]
     size = f"{shape.params / 1e9:.2f}B" if shape.params >= 1e9 else f"{shape.params / 1e6:.1f}M"
     summary = (
         f"{cfg.name}: {size} parameters ({shape.source}), {cfg.model.dtype}; "
-        f"{c.placement if loads else 'CPUs only'}: trainer ranks {c.trainer.ranks} (ZeRO-{cfg.rl.optim.zero_stage}), "
-        f"engines {c.engines.count} (TP {cfg.engine.tensor_parallel_size}), sandbox replicas {c.sandbox.replicas}"
+        f"{c.placement if loads else 'CPUs only'}: trainer ranks {cfg.trainer.ranks} (ZeRO-{cfg.trainer.zero_stage}), "
+        f"engines {cfg.engines.count} (TP {cfg.engines.tensor_parallel_size}), sandbox replicas {cfg.sandbox.replicas}"
     )
     return Plan(tuple(actors), loads, resources, summary)
 

@@ -12,10 +12,10 @@ from tasks.sandbox.limits import Limits
 from tasks.sandbox.server import SandboxService
 
 
-class SandboxReplica:
+class SandboxActor:
     """The body of a replica actor. The service's process stops with the actor (it watches its
     parent), so a replica killed with its node leaves no server behind; Ray restarts a killed
-    actor (cluster.sandbox.max_restarts), and the actor starts its service again, on the same
+    actor (sandbox.max_restarts), and the actor starts its service again, on the same
     port, if the service alone died."""
 
     def __init__(self, index: int, workers: int, limits: Limits, log_dir: str):

@@ -40,19 +40,20 @@ class WeightSync:
 
     def _get(self, refs: list) -> list:
         try:
-            return ray.get(refs, timeout=self.cfg.sync_timeout_s)
+            return ray.get(refs, timeout=self.cfg.weight_sync_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise self._timeout() from None
 
     def _timeout(self) -> TimeoutError:
         return TimeoutError(
-            f"weight sync ({self.backend}) took over cluster.sync_timeout_s = {self.cfg.sync_timeout_s:.0f} s"
+            f"weight sync ({self.backend}) took over "
+            f"cluster.weight_sync_timeout_s = {self.cfg.weight_sync_timeout_s:.0f} s"
         )
 
     def _outcomes(self, refs: list) -> list:
         """Each call's result, or the exception it raised: one dead engine must not hide what
         the others did."""
-        ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.sync_timeout_s)
+        ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.weight_sync_timeout_s)
         if waiting:
             raise self._timeout()
         outcomes = []
@@ -68,7 +69,7 @@ class WeightSync:
         when an engine rejoins or leaves, since a gloo or NCCL group cannot change its members.
         Returns each member's outcome, rank 0's first."""
         host, port = ray.get(self.trainer.actors[0].rendezvous.remote())
-        group = SyncGroup(host, port, 1 + len(engines), self.backend, self.cfg.sync_group_timeout_s)
+        group = SyncGroup(host, port, 1 + len(engines), self.backend, self.cfg.weight_sync_bucket_timeout_s)
         actors = self.engines.actors
         outcomes = self._outcomes(
             [self.trainer.actors[0].join_sync_group.remote(group)]
@@ -82,7 +83,7 @@ class WeightSync:
         first, then the engines' in order)."""
         ranks, actors = self.trainer.actors, [self.engines.actors[e] for e in engines]
         if self._layouts is None:
-            bucket_bytes = int(self.cfg.sync_bucket_mb * 2**20)
+            bucket_bytes = int(self.cfg.weight_sync_bucket_mb * 2**20)
             self._layouts = self._get([rank.weight_layouts.remote(bucket_bytes) for rank in ranks])[0]
         if self.backend == "object_store":
             buckets = self._get([rank.put_weights.remote(self._layouts) for rank in ranks])[0]

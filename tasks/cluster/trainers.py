@@ -19,12 +19,12 @@ import torch
 
 from tasks.cluster.connect import node_address, placement_record
 from tasks.cluster.weights import BucketLayout, SyncGroup, broadcast, bucket_layouts, pack_bucket
-from tasks.config import LossConfig, OptimConfig
-from tasks.train.sample import Sample
+from tasks.config import LossConfig, OptimConfig, TrainerConfig
+from tasks.records import Sample
 from tasks.train.trainer import Trainer, by_length, free_port
 
 
-class TrainerRank:
+class TrainerActor:
     """The body of one rank actor."""
 
     def __init__(self, rank: int, world_size: int):
@@ -49,6 +49,7 @@ class TrainerRank:
         dtype: str,
         seed: int,
         threads: int,
+        zero_stage: int,
     ):
         os.environ.pop("RSTAR2_OWN_GROUP_PORT", None)  # values a launcher (this driver) chose
         os.environ.update(
@@ -62,7 +63,7 @@ class TrainerRank:
         )
         self.trainer = None  # the previous one's memory goes before the next one's arrives
         gc.collect()
-        self.trainer = Trainer(Path(model_dir), OptimConfig(**optim), total_steps, dtype, seed, threads)
+        self.trainer = Trainer(Path(model_dir), OptimConfig(**optim), total_steps, dtype, seed, threads, zero_stage)
 
     def rl_step(self, samples: list[Sample], loss: dict, temperature: float) -> tuple[dict, float]:
         return self.trainer.rl_step(samples, LossConfig(**loss), temperature), self.fingerprint()
@@ -71,7 +72,7 @@ class TrainerRank:
         """The sum of squares of this rank's weights: the same on every rank after a step when
         each holds full weights (ZeRO 0-2), so a rank that drifted shows. None where there is
         nothing to compare (one rank, or ZeRO-3's partitions)."""
-        if self.world_size == 1 or self.trainer.optim.zero_stage == 3:
+        if self.world_size == 1 or self.trainer.zero_stage == 3:
             return None
         with torch.no_grad():
             return sum(p.double().square().sum().item() for p in self.trainer.engine.module.parameters())
@@ -170,9 +171,15 @@ class TrainerGroup:
     def _all(self, method: str, *args) -> list:
         return self._get([getattr(actor, method).remote(*args) for actor in self.actors])
 
-    def start(self, model_dir: Path, optim: OptimConfig, total_steps: int, dtype: str, seed: int, threads: int):
+    def start(
+        self, model_dir: Path, optim: OptimConfig, total_steps: int, dtype: str, seed: int, role: TrainerConfig
+    ) -> TrainerGroup:
+        """Every rank starts a trainer on `model_dir` (threads and ZeRO stage from the `trainer:`
+        section)."""
         (master,) = self._get([self.actors[0].rendezvous.remote()])
-        self._all("start", master, str(model_dir), optim.model_dump(), total_steps, dtype, seed, threads)
+        self._all(
+            "start", master, str(model_dir), optim.model_dump(), total_steps, dtype, seed, role.threads, role.zero_stage
+        )
         return self
 
     def shares(self, samples: list[Sample]) -> list[list[Sample]]:

@@ -8,18 +8,15 @@ without touching code.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from tasks.config.cluster import ClusterConfig
 from tasks.config.model import ModelConfig, PretrainLayouts, TinyModelConfig
-
-
-class _Strict(BaseModel):
-    # A misspelt key in a YAML file must fail loudly, not be silently ignored.
-    model_config = ConfigDict(extra="forbid")
+from tasks.config.roles import EnginesConfig, SandboxConfig, TrainerConfig, _Strict
+from tasks.records import RolloutSpec
 
 
 class _Source(_Strict):
@@ -27,7 +24,7 @@ class _Source(_Strict):
 
     name: str
     path: str | None = None
-    limit: int | None = None  # the first rows only
+    limit: int | None = Field(None, ge=1)  # the first rows only
 
     @model_validator(mode="after")
     def _path_given(self) -> _Source:
@@ -59,8 +56,8 @@ class RolloutBudget(_Strict):
 class ConsensusConfig(RolloutBudget):
     n: int = Field(8, ge=1)
     m: int = Field(1, ge=1)
-    max_turns: int = 10
-    max_response_tokens: int = 1024
+    max_turns: int = Field(10, ge=1)
+    max_response_tokens: int = Field(1024, ge=1)
 
     @model_validator(mode="after")
     def _m_at_most_n(self) -> ConsensusConfig:
@@ -73,14 +70,14 @@ MalformedRows = Literal["error", "skip"]  # what a data row without its problem 
 
 
 class DataConfig(_Strict):
-    n_train: int = 512  # generated problems: train + held-out are generated together
-    n_heldout: int = 64  # held out of the curated problems, whatever their source
-    levels: list[int] = [1, 2, 3]
-    seed: int = 0
+    n_train: int = Field(512, ge=1)  # generated problems: train + held-out are generated together
+    n_heldout: int = Field(64, ge=1)  # held out of the curated problems, whatever their source
+    levels: list[Annotated[int, Field(ge=1, le=9)]] = Field([1, 2, 3], min_length=1)
+    seed: int = Field(0, ge=0)
     sources: list[SourceConfig] = [SourceConfig(name="generated")]
     # Evaluation benchmarks (AIME, MATH-500, ...): decontaminated against, and evaluated on.
     benchmarks: list[SourceConfig] = []
-    max_answer_digits: int = 12
+    max_answer_digits: int = Field(12, ge=1)
     # Consensus filter (optional): ask the policy n times per training problem (after SFT, the
     # first policy that can answer) and keep problems solved at least m times: drops labels the
     # model consistently contradicts, which are more often wrong labels than hard problems.
@@ -94,14 +91,13 @@ class DataConfig(_Strict):
 
 
 class OptimConfig(_Strict):
-    lr: float = 1e-6
-    warmup_steps: int = 20
+    lr: float = Field(1e-6, gt=0)
+    warmup_steps: int = Field(20, ge=0)
     schedule: Literal["constant", "cosine"] = "constant"
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    zero_stage: Literal[0, 1, 2, 3] = 2
-    micro_batch_size: int = 8
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
+    micro_batch_size: int = Field(8, ge=1)
 
 
 class SftSourceConfig(_Source):
@@ -118,76 +114,46 @@ SftMode = Literal["non_reasoning", "reasoning"]
 
 class SftConfig(_Strict):
     sources: list[SftSourceConfig] = [SftSourceConfig(name="generated")]
-    n_examples: int = 2000  # of the generated source
+    n_examples: int = Field(2000, ge=0)  # of the generated source
     # What the generated source teaches (tasks/data/chat_examples.py): non_reasoning (the paper)
     # or reasoning (programs solving problems of the RL kinds; the cold-start experiment's other arm)
     mode: SftMode = "non_reasoning"
     # Of the generated tool-call examples, the share whose first call fails (half malformed, half
     # a failing program) and is corrected; the failed call is context, not a target. Without
     # them the tiny policy answers at once after a failed call, so its positives carry no tool
-    # errors for RoC to filter (0.1%); with 0.3 (the tiny default), 7-9% do
-    # (LOG.md, 2026-11-24 recovery-from-malformed-calls entry).
+    # errors for RoC to filter (0.1%); with 0.3 (the tiny default), 7-9% do.
     recovery_share: float = Field(0.0, ge=0.0, le=1.0)
     # The tiny model only: this share of the SFT samples replays its pre-training documents (the
     # layouts of model.tiny.pretrain_layouts), so that SFT on other tasks' templates does not
     # overwrite the problem -> program ability the base model has (a real base model's is too
     # broad for a short SFT to erase).
     replay_share: float = Field(0.0, ge=0.0, lt=1.0)
-    epochs: int = 3
-    batch_size: int = 32
-    max_len: int = 512
+    epochs: int = Field(3, ge=1)
+    batch_size: int = Field(32, ge=1)
+    max_len: int = Field(512, ge=2)
     optim: OptimConfig = OptimConfig(lr=5e-6, schedule="cosine", warmup_steps=0)
-    warmup_ratio: float = 0.04
-
-
-class EngineConfig(_Strict):
-    """vLLM engine settings; on CPU the KV cache must always be bounded."""
-
-    kv_cache_gib: float = 0.25
-    block_size: int = 32  # the CPU default (128) caches too coarsely for short multi-turn prompts
-    max_model_len: int = 2048
-    # Eager on the tiny default: torch.compile (vLLM's default; the GPU configs use it) gives a
-    # CPU engine 1.2-1.8x the tokens/s (bench/rollout_bench.py), but a default run's rollouts wait
-    # on tool calls and the agent loop, not the engine: 990 s compiled vs 915 s eager (LOG.md).
-    enforce_eager: bool = True
-    tensor_parallel_size: int = 1
-    max_num_seqs: int = 256
-    gpu_memory_utilization: float = 0.85  # used on GPUs only
-    # CPU only: OpenMP threads per engine, each engine actor bound to its own block of cores
-    # (cluster.engines.count says how many engines). Two
-    # engines of one thread give 1.1-1.6x one, one engine of two threads 0.7-0.9x two of one:
-    # most of a tiny model's step is vLLM's Python bookkeeping (bench/rollout_bench.py).
-    threads: int = Field(1, ge=1)
-    # kv_aware: admit per engine only what its KV cache holds at full length (the paper's
-    # scheduler, never released); static: split every rollout evenly up front (the baseline).
-    scheduler: Literal["kv_aware", "static"] = "kv_aware"
-    # What kv_aware sets aside per rollout. max_length: prompt + the whole response budget (the
-    # paper; no engine can overflow). observed (ours): kv_headroom x the mean size of the
-    # previous batch's rollouts. bench/scheduler_sim.py, 3 seeds, at 419K KV tokens an engine
-    # (Qwen3-14B in the paper config's 64 GiB): steps 27-32% shorter than static (the paper's
-    # rule: 7-14%), no preemptions; at 850K (a whole 192 GB GPU) 3-5% longer than static (the
-    # paper's: 19-22%). On the tiny CPU pool both lose to static (bench/rollout_bench.py; docs/benchmarks.md).
-    kv_reserve: Literal["max_length", "observed"] = "max_length"
-    kv_headroom: float = Field(1.3, ge=1.0)
-
-
-class SandboxConfig(_Strict):
-    urls: list[str] = []  # empty: the pipeline starts a local service and stops it at the end
-    workers: int = 4
-    timeout_s: float = 4.0  # release default
-    memory_mb: int = 256  # release default
-    output_bytes: int = 1000  # release truncates at the service to 1000 characters
-    # No replica answering for this long fails the attempt (their node is gone for good) rather
-    # than train on calls that all came back `internal`.
-    outage_s: float = Field(300.0, gt=0)
+    warmup_ratio: float = Field(0.04, ge=0, le=1)
 
 
 class RolloutConfig(_Strict):
     tool_name: str = "execute_python_code_with_standard_io"  # release: python_code_with_standard_io
     tool_spec: Literal["schema", "compact"] = "schema"  # how the system prompt lists the tool
-    temperature: float = 1.0
-    top_p: float = 1.0
-    tool_response_chars: int = 256  # release keeps 256 characters around a middle cut
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    tool_response_chars: int = Field(256, ge=1)  # release keeps 256 characters around a middle cut
+
+    def spec(self, budget: RolloutBudget) -> RolloutSpec:
+        """The sampling settings of the run's rollouts within one budget (a stage's, the
+        consensus filter's or evaluation's)."""
+        return RolloutSpec(
+            budget.max_turns,
+            budget.max_response_tokens,
+            budget.temperature,
+            self.top_p,
+            self.tool_name,
+            self.tool_response_chars,
+            self.tool_spec,
+        )
 
 
 class RocConfig(_Strict):
@@ -197,12 +163,12 @@ class RocConfig(_Strict):
 
 
 class LossConfig(_Strict):
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    dual_clip: float = 3.0
+    eps_low: float = Field(0.2, ge=0, lt=1)
+    eps_high: float = Field(0.28, ge=0)
+    dual_clip: float = Field(3.0, gt=1)
     # Scales the loss of rollouts with a negative advantage (the paper: 1). Token-mean sums tokens,
     # and wrong rollouts are the long ones, so at 1 pushing down outweighs pulling up; on the tiny
-    # default that raised entropy and tool errors over stage 1 (LOG.md, 2026-11-24 wrong-rollouts-outweighed entry).
+    # default that raised entropy and tool errors over stage 1 (docs/experiments.md).
     negative_weight: float = Field(1.0, ge=0.0, le=1.0)
 
 
@@ -210,15 +176,15 @@ class StageConfig(RolloutBudget):
     # A folder and hive-partition name (runs/<id>/models/<name>, rollouts/stage=<name>/), next to
     # the base and sft policies.
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    steps: int
-    problems_per_step: int
+    steps: int = Field(ge=1)
+    problems_per_step: int = Field(ge=1)
     hard_only: bool = False  # keep only problems the current policy does not solve k of k
-    difficulty_attempts: int = 8
+    difficulty_attempts: int = Field(8, ge=1)
     reset_optimizer: bool = False
 
 
 class RLConfig(_Strict):
-    group_size: int = 16  # G kept per problem; 2G are drawn unless roc.mode is off
+    group_size: int = Field(16, ge=1)  # G kept per problem; 2G are drawn unless roc.mode is off
     roc: RocConfig = RocConfig()
     loss: LossConfig = LossConfig()
     optim: OptimConfig = OptimConfig()
@@ -267,11 +233,11 @@ class RLConfig(_Strict):
 
 
 class EvalConfig(RolloutBudget):
-    k: int = 16  # avg@k pass@1
-    temperature: float = 0.6  # release evaluated greedily, which makes avg@16 one sample
-    max_turns: int = 30  # release capped at 5
-    max_response_tokens: int = 30000
-    n_problems: int | None = None  # None: the whole held-out split
+    k: int = Field(16, ge=1)  # avg@k pass@1
+    temperature: float = Field(0.6, ge=0)  # release evaluated greedily, which makes avg@16 one sample
+    max_turns: int = Field(30, ge=1)  # release capped at 5
+    max_response_tokens: int = Field(30000, ge=1)
+    n_problems: int | None = Field(None, ge=1)  # None: the whole held-out split
     # false: skip the base model (later, if wanted: rstar2 evaluate --run-id <id> --checkpoint base). The
     # tiny default's is trained from scratch without the chat format, so scores 0 by design.
     base: bool = True
@@ -279,19 +245,19 @@ class EvalConfig(RolloutBudget):
 
 class RunConfig(_Strict):
     name: str = "tiny"
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     output_dir: str = "outputs"
-    # Training phases run while the engines and the sandbox sit idle, so they may take more
-    # threads than one per process (measured on 2 cores: 2 threads, 1.7x faster SFT steps).
-    trainer_threads: int = 1
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     sft: SftConfig = SftConfig()
-    engine: EngineConfig = EngineConfig()
-    sandbox: SandboxConfig = SandboxConfig()
     rollout: RolloutConfig = RolloutConfig()
     rl: RLConfig
     eval: EvalConfig = EvalConfig()
+    # The actor roles, each with its count, resources, restarts and own settings, and the cluster
+    # they meet on.
+    trainer: TrainerConfig = TrainerConfig()
+    engines: EnginesConfig = EnginesConfig()
+    sandbox: SandboxConfig = SandboxConfig()
     cluster: ClusterConfig = ClusterConfig()
 
     @model_validator(mode="after")
@@ -305,15 +271,12 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _lengths_fit(self) -> RunConfig:
         longest = max([s.max_response_tokens for s in self.rl.stages] + [self.eval.max_response_tokens])
-        if longest >= self.engine.max_model_len:
+        if longest >= self.engines.max_model_len:
             raise ValueError(
-                f"engine.max_model_len ({self.engine.max_model_len}) must exceed the longest "
+                f"engines.max_model_len ({self.engines.max_model_len}) must exceed the longest "
                 f"response budget ({longest}) plus the prompt"
             )
         return self
-
-    def run_dir(self, run_id: str) -> Path:
-        return Path(self.output_dir) / "runs" / run_id
 
 
 class InputError(ValueError):
@@ -348,6 +311,40 @@ def _override(raw: dict, dotted: str, value: Any, path: Path) -> None:
         raise ConfigError(f"{path}: {dotted}: no such field to override") from None
 
 
+# Keys that have moved, and where to: a config or an override naming one is refused with one line
+# saying where the setting lives now. A section that moved names its keys' new section.
+MOVED = {
+    "engine": "engines",
+    "cluster.engines": "engines",
+    "cluster.trainer": "trainer",
+    "cluster.sandbox": "sandbox",
+    "trainer_threads": "trainer.threads",
+    "rl.optim.zero_stage": "trainer.zero_stage",
+    "sft.optim.zero_stage": "trainer.zero_stage",
+    "sandbox.timeout_s": "sandbox.program_timeout_s",
+    "sandbox.outage_s": "sandbox.outage_timeout_s",
+    "cluster.sync_bucket_mb": "cluster.weight_sync_bucket_mb",
+    "cluster.sync_timeout_s": (
+        "cluster.weight_sync_timeout_s (a trainer call: trainer.call_timeout_s; loading a policy: "
+        "engines.load_timeout_s)"
+    ),
+    "cluster.ready_timeout_s": "cluster.startup_timeout_s",
+}
+
+
+def _refuse_moved(raw: dict, path: Path) -> None:
+    for old, new in MOVED.items():
+        node: Any = raw
+        for key in old.split("."):
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is None:
+            continue
+        if isinstance(node, dict) and node and "." not in new:  # a whole section: name a key of it
+            key = next(iter(node))
+            raise ConfigError(f"{path}: {old}.{key} has moved to {new}.{key}")
+        raise ConfigError(f"{path}: {old} has moved to {new}")
+
+
 def load_config(path: str | Path, overrides: dict | None = None) -> RunConfig:
     """Load and validate a YAML config; `overrides` are dotted keys, e.g. {"rl.roc.mode": "off"}.
     ConfigError's message is one line: the file, the field, what is wrong."""
@@ -361,6 +358,7 @@ def load_config(path: str | Path, overrides: dict | None = None) -> RunConfig:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
     for dotted, value in (overrides or {}).items():
         _override(raw, dotted, value, path)
+    _refuse_moved(raw, path)
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as exc:
@@ -377,6 +375,9 @@ __all__ = [
     "PretrainLayouts",
     "TinyModelConfig",
     "StageConfig",
+    "TrainerConfig",
+    "EnginesConfig",
+    "SandboxConfig",
     "ConfigError",
     "InputError",
     "load_config",

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from tasks.config.cluster import _Strict
+from tasks.config.roles import _Strict
 
 
 class PretrainLayouts(_Strict):
@@ -31,13 +31,13 @@ class TinyModelConfig(_Strict):
 
     # qwen3: the paper's base family (norms on queries and keys); qwen2: biases on q, k, v instead
     architecture: Literal["qwen2", "qwen3"] = "qwen3"
-    vocab_size: int = 2048
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 512
-    max_position_embeddings: int = 2048
+    vocab_size: int = Field(2048, ge=1)
+    hidden_size: int = Field(256, ge=1)
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(512, ge=1)
+    max_position_embeddings: int = Field(2048, ge=1)
     # Language-model pre-training (generated from seeds disjoint from the curated splits): a
     # real base model arrives able to copy numbers, read them and write Python; the tiny one
     # learns it here, first on copy drills until the copy mechanism has formed (greedy copies of
@@ -47,9 +47,9 @@ class TinyModelConfig(_Strict):
     pretrain_copy_until: float = Field(0.9, gt=0.0, le=1.0)
     pretrain_steps: int = Field(0, ge=0)
     pretrain_layouts: PretrainLayouts = PretrainLayouts()
-    pretrain_batch_size: int = 32
-    pretrain_seq_len: int = 256
-    pretrain_lr: float = 3e-4
+    pretrain_batch_size: int = Field(32, ge=1)
+    pretrain_seq_len: int = Field(256, ge=2)
+    pretrain_lr: float = Field(3e-4, gt=0)
 
 
 class ModelConfig(_Strict):

@@ -4,10 +4,10 @@ their programs.
 A real base model (Qwen3-14B-Base in the paper) already reads numbers and writes Python; a
 model trained from scratch does not. Every generated problem needs one skill above all: copying
 numbers, from the question into the program and from the tool's output into the answer. On
-problem documents alone the tiny model never learned it (LOG.md, 2026-11-23 no-copying entry:
-0 of 64 programs right after 1,500 steps); a short run of dense copy drills first makes the copy
+problem documents alone the tiny model never learned it (0 of 64 programs right after 1,500
+steps); a short run of dense copy drills first makes the copy
 mechanism form (a sudden drop in their loss), after which problem documents teach the programs
-within a few hundred steps (LOG.md, 2026-11-23 copy-drills entry). All come from seeds disjoint
+within a few hundred steps. All come from seeds disjoint
 from the curated splits and carry no answers and no reasoning.
 """
 
@@ -19,8 +19,8 @@ from tasks.config import PretrainLayouts, TinyModelConfig
 from tasks.data.chat_examples import tool_call_example
 from tasks.data.problems import problem_statements
 from tasks.data.tool_tasks import tool_tasks
+from tasks.records import Sample
 from tasks.rollout.format import tool_call_text
-from tasks.train.sample import Sample
 
 
 def copy_documents(n: int, seed: int) -> list[str]:

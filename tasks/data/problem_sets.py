@@ -16,10 +16,10 @@ from pathlib import Path
 
 from tasks.config import DataConfig, MalformedRows, SourceConfig
 from tasks.data.filters import curate_rows, integer_answers
-from tasks.data.problems import Problem, generate_problems, split_problems
+from tasks.data.problems import generate_problems, split_problems
 from tasks.data.sources import RawProblem, Rejected, partition, read_rows
+from tasks.records import Problem, Rollouts
 from tasks.rollout.metrics import solved_attempts
-from tasks.rollout.trajectory import Rollouts
 from tasks.store.tables import CURATION, PROBLEMS, REJECTED, read_table, write_table
 
 

@@ -12,20 +12,8 @@ import hashlib
 import math
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
 
-
-@dataclass(frozen=True)
-class Problem:
-    problem_id: str
-    kind: str
-    level: int
-    question: str
-    answer: str  # an integer, as text
-    solution_code: str  # a program whose stdout is the answer
-
-    def to_row(self) -> dict:
-        return asdict(self)
+from tasks.records import Problem
 
 
 def _digits(rng: random.Random, level: int) -> int:
@@ -56,7 +44,7 @@ def _modular(rng: random.Random, level: int) -> tuple[str, str]:
 
 def _counting(rng: random.Random, level: int) -> tuple[str, str]:
     # The second divisor's leading digit varies: drawn from 10-19, every one began with the 1 that
-    # fills the prompt, and the tiny model copied the wrong second digit (LOG.md, 2026-11-24 quarter-weight entry).
+    # fills the prompt, and the tiny model copied the wrong second digit.
     n, a, b = rng.randint(100, 10 ** (level + 2)), rng.randint(2, 9), rng.randint(11, 97)
     return (
         f"How many integers from 1 to {n} are divisible by {a} or {b}?",

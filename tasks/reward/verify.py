@@ -19,7 +19,7 @@ import re
 import threading
 from concurrent.futures.process import BrokenProcessPool
 
-from tasks.rollout.trajectory import Rollouts
+from tasks.records import Rollouts
 
 ANSWER_OPEN = "<answer>"
 ANSWER_CLOSE = "</answer>"

@@ -11,11 +11,9 @@ import random
 from collections import Counter
 
 from tasks.config import RocConfig
-from tasks.data.problems import Problem
+from tasks.records import Problem, Rollouts, Sample, Trajectory
 from tasks.rl.roc import RocResult, TrajectoryScore, downsample, group_advantages
 from tasks.rollout.metrics import rollout_metrics, solved_attempts
-from tasks.rollout.trajectory import Rollouts, Trajectory
-from tasks.train.sample import Sample
 
 
 def step_problems(problems: list[Problem], n: int, seed: int, stage: str, step: int) -> list[Problem]:

@@ -24,7 +24,8 @@ from typing import Protocol
 
 from tqdm import tqdm
 
-from tasks.config import EngineConfig
+from tasks.config import EnginesConfig
+from tasks.records import RolloutSpec, RolloutTimes, ToolCallRecord, ToolResult, ToolStatus, Trajectory
 from tasks.rollout.engine import FinishedTurn
 from tasks.rollout.format import (
     ANSWER_OPEN,
@@ -37,9 +38,7 @@ from tasks.rollout.format import (
     truncate_middle,
 )
 from tasks.rollout.scheduler import make_scheduler, reserve_tokens
-from tasks.rollout.trajectory import RolloutSpec, RolloutTimes, ToolCallRecord, Trajectory
 from tasks.sandbox.client import SandboxClient
-from tasks.sandbox.status import ToolResult, ToolStatus
 
 
 def render_tool_result(result: ToolResult, max_chars: int) -> str:
@@ -83,10 +82,11 @@ def end_turn(
     return call
 
 
-class Engines(Protocol):
-    """What the loop needs of the engines that serve it (tasks/cluster/engines.py's group)."""
+class EngineGroupLike(Protocol):
+    """What the loop needs of the engines that serve it: tasks/cluster/engines.py's EngineGroup,
+    which this layer does not import."""
 
-    cfg: EngineConfig
+    cfg: EnginesConfig
     count: int
     kv_tokens: list[int]
     serving: list[bool]  # False for an engine that died (until it is back, with the weights)
@@ -104,12 +104,14 @@ class Engines(Protocol):
 class ToolRunner:
     """Runs the async sandbox client on a loop of its own, so the sync engine loop can poll."""
 
-    def __init__(self, urls: list[str], resolve: Callable[[int], str | None] | None = None, outage_s: float = 300.0):
-        """`resolve` and `outage_s`: as SandboxClient takes them."""
+    def __init__(
+        self, urls: list[str], resolve: Callable[[int], str | None] | None = None, outage_timeout_s: float = 300.0
+    ):
+        """`resolve` and `outage_timeout_s`: as SandboxClient takes them."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tool-runner", daemon=True)
         self._thread.start()
-        self.client = SandboxClient(urls, resolve=resolve, outage_s=outage_s)
+        self.client = SandboxClient(urls, resolve=resolve, outage_timeout_s=outage_timeout_s)
 
     def submit(self, code: str, stdin: str) -> Future:
         return asyncio.run_coroutine_threadsafe(self.client.execute(code, stdin), self._loop)
@@ -126,8 +128,142 @@ class ToolRunner:
         self.close()
 
 
+class _Batch:
+    """One rollout batch as the loop drives it: which engine holds each rollout, which rollouts
+    are generating, and which wait on a tool call. Three parts act on it, in this order each
+    round: admission (the scheduler says which rollout starts where, and when), the turn loop
+    (a finished turn ends the rollout or sends its tool call; an answered call submits the next
+    turn), and the re-queue of a dead engine's rollouts."""
+
+    def __init__(self, engines: EngineGroupLike, tools: ToolRunner, tokenizer, problems, samples_per_problem, spec):
+        self.engines, self.tools, self.tokenizer, self.spec = engines, tools, tokenizer, spec
+        self.times = RolloutTimes()
+        self.tool_call_close = tokenizer.convert_tokens_to_ids(TOOL_CALL_CLOSE)
+        self.max_model_len = engines.cfg.max_model_len
+        self.trajectories: list[Trajectory] = []
+        for problem_id, question in problems:
+            text = prompt_text(question, spec.tool_name, spec.tool_spec)
+            prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            self.trajectories += [Trajectory(problem_id, s, prompt_ids) for s in range(samples_per_problem)]
+        longest = max((len(t.prompt_ids) for t in self.trajectories), default=0)
+        cfg = engines.cfg
+        full_length = min(self.max_model_len, longest + spec.max_response_tokens)
+        self.times.kv_reserve_tokens = reserve_tokens(
+            cfg.kv_reserve, full_length, engines.last_rollout_sizes, cfg.kv_headroom
+        )
+        self.scheduler = make_scheduler(
+            cfg.scheduler, engines.kv_tokens, self.times.kv_reserve_tokens, range(len(self.trajectories))
+        )
+        for engine, serving in enumerate(engines.serving):
+            if not serving:
+                self.scheduler.drop_engine(engine)
+        self.engine_of: dict[int, int] = {}
+        self.generating: set[int] = set()
+        self.pending_tools: dict[int, tuple[Future, float]] = {}
+        self.finished = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finished == len(self.trajectories)
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def admit(self) -> None:
+        """Start what the scheduler allows now: at the start, and as soon as rollouts end."""
+        for index, engine in self.scheduler.admit():
+            self.engine_of[index] = engine
+            if index not in self.pending_tools:  # a moved rollout waiting on a tool goes on when it answers
+                self.submit_turn(index)
+
+    # -- the turn loop -------------------------------------------------------------------------
+
+    def submit_turn(self, index: int) -> None:
+        """Ask the rollout's engine for its next assistant turn, or end the rollout when no
+        budget is left."""
+        traj, spec = self.trajectories[index], self.spec
+        budget = min(
+            spec.max_response_tokens - len(traj.response_ids),
+            self.max_model_len - len(traj.prompt_ids) - len(traj.response_ids),
+        )
+        if budget <= 0:
+            traj.stop_reason = "budget"
+            # A tool response may overshoot the shared budget: the trainer never sees past it.
+            limit = min(spec.max_response_tokens, self.max_model_len - len(traj.prompt_ids))
+            del traj.response_ids[limit:], traj.loss_mask[limit:]
+            self.end_rollout(index)
+            return
+        self.engines.add_request(
+            self.engine_of[index],
+            f"{index}:{traj.turns}",
+            traj.prompt_ids + traj.response_ids,
+            budget,
+            spec.temperature,
+            spec.top_p,
+            [self.tool_call_close],
+        )
+        self.generating.add(index)
+
+    def end_rollout(self, index: int) -> None:
+        self.finished += 1
+        self.scheduler.finish(index)
+
+    def next_turns(self) -> list[tuple[int, FinishedTurn]]:
+        """The turns finished by now: polled while anything generates (briefly when a tool call
+        may answer first); with nothing to generate, none, after the first tool call answers."""
+        if self.generating:
+            return self.engines.poll(timeout=0.005 if self.pending_tools else None)
+        if self.pending_tools:
+            waited_from = time.perf_counter()
+            wait([f for f, _ in self.pending_tools.values()], return_when=FIRST_COMPLETED)
+            self.times.tool_wait_s += time.perf_counter() - waited_from
+        return []
+
+    def end_turns(self, turns: list[tuple[int, FinishedTurn]]) -> None:
+        """Each finished turn ends its rollout, or sends its tool call (a call that does not
+        parse is answered with the parse error, recipe.md section 2)."""
+        for _, turn in turns:
+            index = int(turn.request_id.split(":")[0])
+            self.generating.discard(index)
+            traj = self.trajectories[index]
+            text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=False)
+            action = end_turn(traj, turn.token_ids, text, turn.finish_reason, self.spec, self.tool_call_close)
+            if action is None:
+                self.end_rollout(index)
+            elif isinstance(action, ToolCallError):
+                future = Future()
+                future.set_result(ToolResult(status=ToolStatus.PARSE_ERROR, stderr=str(action)))
+                self.pending_tools[index] = (future, time.perf_counter())
+            else:
+                self.pending_tools[index] = (self.tools.submit(action.code, action.stdin), time.perf_counter())
+
+    def answer_tools(self) -> None:
+        """Each answered tool call goes into its rollout, whose next turn is submitted."""
+        for index in [i for i, (f, _) in self.pending_tools.items() if f.done()]:
+            future, sent_at = self.pending_tools.pop(index)
+            result: ToolResult = future.result()
+            traj = self.trajectories[index]
+            record = traj.tool_calls[-1]
+            record.status, record.latency_s = result.status, time.perf_counter() - sent_at
+            self.times.tool_exec_s += result.wall_s
+            text = tool_response_text(render_tool_result(result, self.spec.tool_response_chars))
+            traj.extend(self.tokenizer(text, add_special_tokens=False)["input_ids"], text, trainable=False)
+            if index in self.engine_of:  # else its engine died: it goes on once admitted elsewhere
+                self.submit_turn(index)
+
+    # -- the re-queue of a dead engine's rollouts -------------------------------------------------
+
+    def requeue(self, engine: int) -> None:
+        """Engine `engine` died: the rollouts it held go back to the scheduler, to continue on
+        another engine from their last finished turn (the turn in flight is generated again)."""
+        self.times.engine_deaths += 1
+        for index in self.scheduler.drop_engine(engine):
+            if self.engine_of.pop(index, None) is not None:  # started there (not just dealt to it)
+                self.times.requeued_rollouts += 1
+            self.generating.discard(index)
+
+
 def run_rollouts(
-    pool: Engines,
+    engines: EngineGroupLike,
     tools: ToolRunner,
     tokenizer,
     problems: list[tuple[str, str]],
@@ -135,124 +271,30 @@ def run_rollouts(
     spec: RolloutSpec,
     desc: str = "rollouts",
 ) -> tuple[list[Trajectory], RolloutTimes]:
-    """Roll out `samples_per_problem` trajectories for each (problem_id, question) on the pool,
-    engines chosen by the scheduler the pool's config names; the KV-aware scheduler's reserve per
-    rollout comes from the pool's config and the sizes of its previous batch
+    """Roll out `samples_per_problem` trajectories for each (problem_id, question) on the engines,
+    each rollout's engine chosen by the scheduler their config names; the KV-aware scheduler's
+    reserve per rollout comes from that config and the sizes of the previous batch
     (tasks/rollout/scheduler.py)."""
     started = time.perf_counter()
-    times = RolloutTimes()
-    busy_before = pool.stats()
+    busy_before = engines.stats()
     retried_before = tools.client.retried
-    tool_call_close = tokenizer.convert_tokens_to_ids(TOOL_CALL_CLOSE)
-    max_model_len = pool.cfg.max_model_len
-    trajectories: list[Trajectory] = []
-    for problem_id, question in problems:
-        prompt_ids = tokenizer(prompt_text(question, spec.tool_name, spec.tool_spec), add_special_tokens=False)[
-            "input_ids"
-        ]
-        trajectories += [Trajectory(problem_id, s, prompt_ids) for s in range(samples_per_problem)]
-    longest = max((len(t.prompt_ids) for t in trajectories), default=0)
-    cfg = pool.cfg
-    times.kv_reserve_tokens = reserve_tokens(
-        cfg.kv_reserve, min(max_model_len, longest + spec.max_response_tokens), pool.last_rollout_sizes, cfg.kv_headroom
-    )
-    scheduler = make_scheduler(cfg.scheduler, pool.kv_tokens, times.kv_reserve_tokens, range(len(trajectories)))
-    for engine, serving in enumerate(pool.serving):
-        if not serving:
-            scheduler.drop_engine(engine)
-    engine_of: dict[int, int] = {}
-    generating: set[int] = set()
-    pending_tools: dict[int, tuple[Future, float]] = {}
-    progress = tqdm(total=len(trajectories), desc=desc, leave=False, disable=None)
-    finished = 0
-
-    def submit_turn(index: int) -> None:
-        """Ask the rollout's engine for its next assistant turn, or end the rollout when no
-        budget is left."""
-        traj = trajectories[index]
-        budget = min(
-            spec.max_response_tokens - len(traj.response_ids),
-            max_model_len - len(traj.prompt_ids) - len(traj.response_ids),
-        )
-        if budget <= 0:
-            traj.stop_reason = "budget"
-            # A tool response may overshoot the shared budget: the trainer never sees past it.
-            limit = min(spec.max_response_tokens, max_model_len - len(traj.prompt_ids))
-            del traj.response_ids[limit:], traj.loss_mask[limit:]
-            end_rollout(index)
-            return
-        pool.add_request(
-            engine_of[index],
-            f"{index}:{traj.turns}",
-            traj.prompt_ids + traj.response_ids,
-            budget,
-            spec.temperature,
-            spec.top_p,
-            [tool_call_close],
-        )
-        generating.add(index)
-
-    def end_rollout(index: int) -> None:
-        nonlocal finished
-        finished += 1
-        progress.update(1)
-        scheduler.finish(index)
-
-    while finished < len(trajectories):
-        # Admit what the scheduler allows now: at the start, and as soon as rollouts end.
-        for index, engine in scheduler.admit():
-            engine_of[index] = engine
-            if index not in pending_tools:  # a moved rollout waiting on a tool goes on when it answers
-                submit_turn(index)
-        if generating:
-            turns = pool.poll(timeout=0.005 if pending_tools else None)
-        else:
-            turns = []
-            if pending_tools:
-                # Nothing to generate until a tool answers: wait for the first one, not for all.
-                wait_start = time.perf_counter()
-                wait([f for f, _ in pending_tools.values()], return_when=FIRST_COMPLETED)
-                times.tool_wait_s += time.perf_counter() - wait_start
-        for _, turn in turns:
-            index = int(turn.request_id.split(":")[0])
-            generating.discard(index)
-            traj = trajectories[index]
-            text = tokenizer.decode(turn.token_ids, skip_special_tokens=False)
-            action = end_turn(traj, turn.token_ids, text, turn.finish_reason, spec, tool_call_close)
-            if action is None:
-                end_rollout(index)
-            elif isinstance(action, ToolCallError):
-                # A call that does not parse is answered with the parse error (recipe.md section 2).
-                future = Future()
-                future.set_result(ToolResult(status=ToolStatus.PARSE_ERROR, stderr=str(action)))
-                pending_tools[index] = (future, time.perf_counter())
-            else:
-                pending_tools[index] = (tools.submit(action.code, action.stdin), time.perf_counter())
-        for engine in pool.failed():
-            times.engine_deaths += 1
-            for index in scheduler.drop_engine(engine):
-                if engine_of.pop(index, None) is not None:  # started there (not just dealt to it)
-                    times.requeued_rollouts += 1
-                generating.discard(index)
-
-        for index in [i for i, (f, _) in pending_tools.items() if f.done()]:
-            future, sent_at = pending_tools.pop(index)
-            result: ToolResult = future.result()
-            traj = trajectories[index]
-            record = traj.tool_calls[-1]
-            record.status, record.latency_s = result.status, time.perf_counter() - sent_at
-            times.tool_exec_s += result.wall_s
-            text = tool_response_text(render_tool_result(result, spec.tool_response_chars))
-            traj.extend(tokenizer(text, add_special_tokens=False)["input_ids"], text, trainable=False)
-            if index in engine_of:  # else its engine died: it goes on once admitted elsewhere
-                submit_turn(index)
-    progress.close()
+    batch = _Batch(engines, tools, tokenizer, problems, samples_per_problem, spec)
+    with tqdm(total=len(batch.trajectories), desc=desc, leave=False, disable=None) as progress:
+        while not batch.done:
+            finished = batch.finished
+            batch.admit()
+            batch.end_turns(batch.next_turns())
+            for engine in engines.failed():
+                batch.requeue(engine)
+            batch.answer_tools()
+            progress.update(batch.finished - finished)
+    times, trajectories = batch.times, batch.trajectories
     times.total_s = time.perf_counter() - started
-    busy_after = pool.stats()
+    busy_after = engines.stats()
     # (an engine back from a restart counts from zero again)
     busy = sum(max(0.0, a["busy_s"] - b["busy_s"]) for a, b in zip(busy_after, busy_before))
-    times.engine_idle_fraction = max(0.0, 1 - busy / (times.total_s * pool.count)) if times.total_s else 0.0
+    times.engine_idle_fraction = max(0.0, 1 - busy / (times.total_s * engines.count)) if times.total_s else 0.0
     times.sandbox_retries = tools.client.retried - retried_before
     times.preemptions = sum(max(0, a["preemptions"] - b["preemptions"]) for a, b in zip(busy_after, busy_before))
-    pool.last_rollout_sizes = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
+    engines.last_rollout_sizes = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
     return trajectories, times

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tasks.config import EngineConfig
+from tasks.config import EnginesConfig
 
 
 def configure_cpu_runtime() -> None:
@@ -44,7 +44,7 @@ class FinishedTurn:
 
 
 class Engine:
-    def __init__(self, model_dir: Path, cfg: EngineConfig, seed: int, dtype: str = "float32"):
+    def __init__(self, model_dir: Path, cfg: EnginesConfig, seed: int, dtype: str = "float32"):
         self.model_dir, self.cfg, self.seed, self.dtype = Path(model_dir), cfg, seed, dtype
         self.llm = None
         self.busy_s = 0.0  # time spent in step(): what is left of the wall time, it sat idle

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tasks.rollout.trajectory import Trajectory
-from tasks.sandbox.status import ToolStatus
+from tasks.records import ToolStatus, Trajectory
 
 
 def max_logprob_gap(a: list[list[float]], b: list[list[float]]) -> float:

@@ -22,10 +22,10 @@ from tasks.cluster.sandboxes import SandboxGroup
 from tasks.cluster.sync import WeightSync
 from tasks.cluster.trainers import TrainerGroup
 from tasks.config import OptimConfig, RunConfig
+from tasks.records import Sample
 from tasks.reward.verify import Verifier
 from tasks.rollout.agent import ToolRunner
 from tasks.rollout.metrics import max_logprob_gap
-from tasks.train.sample import Sample
 
 
 class Runtime:
@@ -35,12 +35,12 @@ class Runtime:
         self.cluster = RayCluster(cfg.cluster)
         self.placement = Placement()
         self.where: list[dict] = []  # each actor's node and pid, as placed
-        self.sandbox: SandboxGroup | None = None
+        self.sandboxes: SandboxGroup | None = None
         self.tools: ToolRunner | None = None
-        self.engine: EngineGroup | None = None
+        self.engines: EngineGroup | None = None
         self.verifier: Verifier | None = None
         self.trainer: TrainerGroup | None = None
-        self.weights: WeightSync | None = None
+        self.weight_sync: WeightSync | None = None
         self._trainer_started = False
         self._stages_trained: set[str] = set()  # RL stages this runtime has trained (or resumed)
 
@@ -57,17 +57,18 @@ class Runtime:
         self.cluster.start()
         build_plan(self.cfg, resources_from_ray_nodes(self.cluster.nodes()))  # refuses before any actor exists
         self.placement.start(self.cfg, self.model_dir, self.run_dir, with_sandboxes=not self.cfg.sandbox.urls)
-        self.engine = EngineGroup(self.placement.engines, self.cfg.engine)
+        self.engines = EngineGroup(self.placement.engines, self.cfg.engines)
         urls = self.cfg.sandbox.urls
         if not urls:
-            self.sandbox = SandboxGroup(self.placement.sandboxes, cluster.ready_timeout_s)
-            urls = self.sandbox.urls
-        self.trainer = TrainerGroup(self.placement.ranks, cluster.sync_timeout_s)
-        self.weights = WeightSync(self.trainer, self.engine, cluster)
-        self.where = self.placement.where(cluster.ready_timeout_s)
+            self.sandboxes = SandboxGroup(self.placement.sandboxes, cluster.startup_timeout_s)
+            urls = self.sandboxes.urls
+        self.trainer = TrainerGroup(self.placement.ranks, self.cfg.trainer.call_timeout_s)
+        self.weight_sync = WeightSync(self.trainer, self.engines, cluster)
+        self.where = self.placement.where(cluster.startup_timeout_s)
         self.trainer.where = [row for row in self.where if row["role"] == "trainer"]
         print(placement_table(self.where))
-        self.tools = ToolRunner(urls, self.sandbox.resolve if self.sandbox else None, self.cfg.sandbox.outage_s)
+        resolve = self.sandboxes.resolve if self.sandboxes else None
+        self.tools = ToolRunner(urls, resolve, self.cfg.sandbox.outage_timeout_s)
         self.verifier = Verifier()
 
     def __exit__(self, *exc) -> None:
@@ -75,8 +76,8 @@ class Runtime:
         for stop in (
             self.tools and self.tools.close,
             self.verifier and self.verifier.close,
-            self.engine and self.engine.stop,
-            self.sandbox and self.sandbox.stop,
+            self.engines and self.engines.stop,
+            self.sandboxes and self.sandboxes.stop,
             self.placement.stop,
             self.cluster.stop,
         ):
@@ -85,22 +86,20 @@ class Runtime:
                     stop()
             except Exception as failure:
                 failures.append(failure)
-        self.tools = self.verifier = self.engine = self.sandbox = self.trainer = None
+        self.tools = self.verifier = self.engines = self.sandboxes = self.trainer = None
         if failures and not any(exc):
             raise failures[0]
 
     def load_policy(self, model_dir: Path) -> None:
         """Serve a new model directory's weights from the running engines (same architecture)."""
-        self.engine.load_from_dir(model_dir, self.cfg.cluster.sync_timeout_s)
+        self.engines.load_from_dir(model_dir, self.cfg.engines.load_timeout_s)
         self.model_dir = Path(model_dir)
 
     def supervised_trainer(self, model_dir: Path, optim: OptimConfig, total_steps: int) -> TrainerGroup:
         """The trainer ranks started on `model_dir` for supervised steps (SFT); the RL trainer
         later starts afresh from the policy the engines serve."""
         self._trainer_started = False
-        return self.trainer.start(
-            model_dir, optim, total_steps, self.cfg.model.dtype, self.cfg.seed, self.cfg.trainer_threads
-        )
+        return self.trainer.start(model_dir, optim, total_steps, self.cfg.model.dtype, self.cfg.seed, self.cfg.trainer)
 
     def policy_trainer(self, total_steps: int, reset_optimizer: bool) -> TrainerGroup:
         """The RL trainer, started on first use and kept across stages unless a reset is asked."""
@@ -111,7 +110,7 @@ class Runtime:
                 weights = self.trainer.save_pretrained(self.run_dir / "checkpoints" / "stage-boundary")
                 self.tokenizer.save_pretrained(weights)
             self.trainer.start(
-                weights, self.cfg.rl.optim, total_steps, self.cfg.model.dtype, self.cfg.seed, self.cfg.trainer_threads
+                weights, self.cfg.rl.optim, total_steps, self.cfg.model.dtype, self.cfg.seed, self.cfg.trainer
             )
             self._trainer_started = True
         return self.trainer
@@ -127,19 +126,19 @@ class Runtime:
         """The trainer from a DeepSpeed checkpoint (the latest in `directory` without a tag), and
         its weights pushed into the engines."""
         self.trainer.load_checkpoint(directory, tag=tag, weights_only=weights_only)
-        self.weights.push()
+        self.weight_sync.push()
 
     def sync_weights(self, probe: list[Sample]) -> float | None:
         """Push the trainer's weights into the running engines (no restart), then compare the
         two views of the policy on the probe samples: the worst per-token log-prob gap over the
         engines (every one must have the new weights); None without a probe."""
-        self.weights.push()
+        self.weight_sync.push()
         if not probe:
             return None
         trainer_view = self.trainer.token_logprobs(probe)
         return max(
             max_logprob_gap(engine_view, trainer_view)
-            for engine_view in self.engine.prompt_logprobs([s.token_ids for s in probe])
+            for engine_view in self.engines.prompt_logprobs([s.token_ids for s in probe])
         )
 
     def export_policy(self, final: Path) -> Path:

@@ -22,10 +22,10 @@ from typing import Any
 
 from aiohttp import web
 
+from tasks.records import ToolResult
 from tasks.sandbox.executor import TemplatePool
 from tasks.sandbox.fresh import run_python
 from tasks.sandbox.limits import Limits
-from tasks.sandbox.status import ToolResult
 
 
 class _BadRequest(Exception):

@@ -9,9 +9,9 @@ import asyncio
 import os
 import signal
 
+from tasks.records import ToolResult, ToolStatus
 from tasks.sandbox.protocol import parse_status
 from tasks.sandbox.runner import EXIT_MEMORY
-from tasks.sandbox.status import ToolResult, ToolStatus
 
 TRUNCATION_MARKER = "\n...[output truncated]"
 

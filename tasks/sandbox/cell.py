@@ -11,7 +11,7 @@ environment, uid nobody (or root without any capability when nobody cannot read 
 rlimits, fresh seeds, and runs the code through the runner as a fresh interpreter would.
 
 What is left of a small call's cost is mostly copy-on-write faults: every page that X (or I,
-after the fork) writes is copied, at ~5 us a fault on a VM (LOG.md 2026-11-23). So X does as
+after the fork) writes is copied, at ~5 us a fault on a VM. So X does as
 little as it can: I sets up once what every program starts with (environment, sys.argv,
 sys.path, the standard stream objects, no_new_privs, the rlimits to apply), forks without CPython's after-fork hooks,
 and the server sends the program already compiled (marshal) when it can (see

@@ -11,7 +11,7 @@ may still be running it. When the retries run out the call comes back as
 A replica that refused or dropped a connection is passed over for `down_s`; with `resolve`
 (replica index -> its URL now, blocking; None while it is not up) the client asks, off its event
 loop, where the replica came back (a restarted replica listens on a new port) and sends to it
-again from then on. When no replica has answered for `outage_s`, a call raises
+again from then on. When no replica has answered for `outage_timeout_s`, a call raises
 `SandboxOutage` instead: the replicas are not coming back where they were (their node is gone
 and nothing else can hold them), and the attempt should stop with that said, not train on calls
 that all came back `internal`.
@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from tasks.sandbox.status import ToolResult, ToolStatus
+from tasks.records import ToolResult, ToolStatus
 
 
 class _Unavailable(Exception):
@@ -35,7 +35,7 @@ class _Unavailable(Exception):
 
 
 class SandboxOutage(RuntimeError):
-    """No replica has answered for longer than the client's `outage_s`."""
+    """No replica has answered for longer than the client's `outage_timeout_s`."""
 
 
 class SandboxClient:
@@ -48,7 +48,7 @@ class SandboxClient:
         backoff_s: float = 0.1,
         down_s: float = 2.0,
         resolve: Callable[[int], str | None] | None = None,
-        outage_s: float = 300.0,
+        outage_timeout_s: float = 300.0,
     ) -> None:
         """`timeout_s` bounds one HTTP request, queueing on the server included; `batch_size` is
         the most calls sent in one /execute_batch request (the paper's workers batch up to 64)."""
@@ -61,7 +61,7 @@ class SandboxClient:
         self.backoff_s = backoff_s
         self.down_s = down_s
         self.resolve = resolve
-        self.outage_s = outage_s
+        self.outage_timeout_s = outage_timeout_s
         self._failing_since: list[float | None] = [None] * len(self.urls)  # first failure since it last answered
         self.retried = 0  # attempts beyond each call's first: what outages cost
         self._down_until = [0.0] * len(self.urls)
@@ -140,9 +140,9 @@ class SandboxClient:
         self._down_until[replica] = now + self.down_s
         if self._failing_since[replica] is None:
             self._failing_since[replica] = now
-        if all(since is not None and now - since > self.outage_s for since in self._failing_since):
+        if all(since is not None and now - since > self.outage_timeout_s for since in self._failing_since):
             raise SandboxOutage(
-                f"no sandbox replica has answered for over {self.outage_s:.0f} s ({', '.join(self.urls)}): "
+                f"no sandbox replica has answered for over {self.outage_timeout_s:.0f} s ({', '.join(self.urls)}): "
                 "they are not coming back where they were"
             )
         if self.resolve is not None and replica not in self._finding:

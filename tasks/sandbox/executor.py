@@ -42,13 +42,13 @@ import threading
 import time
 import warnings
 
+from tasks.records import ToolResult, ToolStatus
 from tasks.sandbox import protocol
 from tasks.sandbox.capture import DRAIN_GRACE_S, TRUNCATION_MARKER, PipeCapture
 from tasks.sandbox.fresh import program_environment, run_python, write_inputs
 from tasks.sandbox.isolation import describe_isolation, describe_privileges, remove_pool_cgroup
 from tasks.sandbox.limits import Limits
 from tasks.sandbox.runner import compile_program
-from tasks.sandbox.status import ToolResult, ToolStatus
 
 # What callers (the server, benches and tests) import from here, wherever it is defined.
 __all__ = ["TRUNCATION_MARKER", "Limits", "TemplatePool", "run_python"]

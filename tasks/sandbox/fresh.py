@@ -15,10 +15,10 @@ import sys
 import tempfile
 import time
 
+from tasks.records import ToolResult, ToolStatus
 from tasks.sandbox import runner
 from tasks.sandbox.capture import DRAIN_GRACE_S, ProcessCapture
 from tasks.sandbox.limits import Limits, apply_rlimits, rlimits
-from tasks.sandbox.status import ToolResult, ToolStatus
 
 
 def program_environment(home: str) -> dict[str, str]:

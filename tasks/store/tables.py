@@ -176,7 +176,7 @@ def stage_steps(run_dir: Path, stage: str) -> dict[int, dict[str, float]]:
 def rollout_rows(
     run_id: str, stage: str, step: int, rollouts, kept: list[bool] | None = None, advantages: list[float] | None = None
 ) -> list[dict]:
-    """ROLLOUTS rows for scored rollouts (tasks.rollout.trajectory.Rollouts), in order."""
+    """ROLLOUTS rows for scored rollouts (tasks.records.Rollouts), in order."""
     questions = {p.problem_id: p.question for p in rollouts.problems}
     labels = {p.problem_id: p.answer for p in rollouts.problems}
     rows = []

@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 
 from tasks.store.tables import write_text
-from tasks.summary.mode_comparison import RunResult, format_cell, format_gain, mean_std, plot_curves, run_rows
+from tasks.summary.runs import RunResult, format_cell, format_gain, mean_std, plot_curves, run_rows
 
 CURVES = {
     "reward_mean": "reward (mean)",

@@ -10,8 +10,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from tasks.records import Rollouts
 from tasks.rollout.metrics import rollout_metrics
-from tasks.rollout.trajectory import Rollouts
 from tasks.store.tables import EVALUATIONS, evaluation_rows, write_json
 
 SUMMARY_COLUMNS = ["stage", "steps", "pass@1 before", "pass@1 after", "tool-call rate", "tool-error rate", "wall s"]

@@ -1,6 +1,7 @@
 """The one place that talks to MLflow: the `Tracker` client, and a pipeline run's records (start
 one, continue one with the same run id or a retried flow run, reopen a finished one for a later
-evaluation, the nested run of a stage).
+evaluation, the nested run of a stage). Which run it is, and whether it may continue, is
+tasks/store/run_folder.py's decision: MLflow records it.
 
 Uses MlflowClient with explicit run ids rather than the fluent API: the fluent API keeps the
 active run in thread-local state, and Prefect runs tasks on worker threads.
@@ -12,17 +13,14 @@ import hashlib
 import json
 import subprocess
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
-from pydantic import ValidationError
 
 from tasks.config import RunConfig
-from tasks.store.run_folder import RunContext
-from tasks.store.tables import write_text
+from tasks.records import RunContext
 
 EXPERIMENT = "rstar2-pipeline"
 
@@ -134,7 +132,7 @@ def run_tags(cfg: RunConfig, run_id: str) -> dict:
         "rstar2.roc_mode": cfg.rl.roc.mode,
         "rstar2.sft_mode": cfg.sft.mode,
         "rstar2.seed": str(cfg.seed),
-        "rstar2.scheduler": cfg.engine.scheduler,
+        "rstar2.scheduler": cfg.engines.scheduler,
     }
 
 
@@ -149,55 +147,31 @@ def flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-def start_pipeline_run(cfg: RunConfig, config_path: str, run_id: str | None) -> RunContext:
-    """A new run (folder, config.json, MLflow parent run), or the run `run_id` continued when it
-    exists with the same config."""
-    run_id = run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    run_dir = cfg.run_dir(run_id)
-    config_json = cfg.model_dump_json(indent=2)
+def pipeline_run(cfg: RunConfig, config_path: str, run_id: str, run_dir: Path) -> str:
+    """The MLflow parent run of pipeline run `run_id` (whose folder tasks/store/run_folder.py has
+    opened): the one an earlier attempt started, reopened, or a new one with the config as params."""
     tracker = Tracker(cfg.output_dir)
-    tags = run_tags(cfg, run_id)
-    if (run_dir / "config.json").exists():
-        if (run_dir / "config.json").read_text() != config_json:
-            raise ValueError(
-                f"run {run_id} exists in {run_dir} with another config: resume it with the same config "
-                "and overrides, or choose a new run id"
-            )
-        mlflow_run_id = tracker.find_run({"rstar2.run_id": run_id})
-        if mlflow_run_id is not None:
-            tracker.reopen(mlflow_run_id)
-            print(f"run {run_id}: resuming in {run_dir}, MLflow run {mlflow_run_id} ({tracker.uri})")
-            return RunContext(run_id, run_dir, mlflow_run_id, Path(cfg.output_dir), tags)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_text(config_json, run_dir / "config.json")
+    existing = tracker.find_run({"rstar2.run_id": run_id})
+    if existing is not None:
+        tracker.reopen(existing)
+        print(f"run {run_id}: resuming in {run_dir}, MLflow run {existing} ({tracker.uri})")
+        return existing
     params = {"config_path": config_path, "git_commit": _git_commit(), "run_dir": str(run_dir)}
     params.update(flatten(cfg.model_dump(mode="json")))
-    mlflow_run_id = tracker.start_run(run_id, params, tags=tags)
+    mlflow_run_id = tracker.start_run(run_id, params, tags=run_tags(cfg, run_id))
     tracker.log_artifact(mlflow_run_id, run_dir / "config.json")
     print(f"run {run_id}: outputs in {run_dir}, MLflow run {mlflow_run_id} ({tracker.uri})")
-    return RunContext(run_id, run_dir, mlflow_run_id, Path(cfg.output_dir), tags)
+    return mlflow_run_id
 
 
-def reopen_run(output_dir: str, run_id: str, eval_overrides: dict | None) -> tuple[RunConfig, RunContext]:
-    """An existing run's recorded config (with `eval_overrides` applied to its eval section, the
-    only part a later evaluation may change) and context, its MLflow run reopened."""
-    run_dir = Path(output_dir) / "runs" / run_id
-    if not (run_dir / "config.json").exists():
-        runs = sorted(p.parent.name for p in (Path(output_dir) / "runs").glob("*/config.json"))
-        raise ValueError(f"no run {run_id!r} under {Path(output_dir) / 'runs'} (runs there: {runs})")
-    recorded = RunConfig.model_validate_json((run_dir / "config.json").read_text())
-    try:
-        cfg = recorded.model_copy(
-            update={"eval": recorded.eval.model_validate({**recorded.eval.model_dump(), **(eval_overrides or {})})}
-        )
-    except ValidationError as exc:
-        raise ValueError(f"invalid eval_overrides {eval_overrides}:\n{exc}") from exc
-    tracker = Tracker(cfg.output_dir)
+def reopened_run(output_dir: str | Path, run_id: str) -> str:
+    """The MLflow parent run of an earlier pipeline run, reopened (for a later evaluation)."""
+    tracker = Tracker(output_dir)
     mlflow_run_id = tracker.find_run({"rstar2.run_id": run_id})
     if mlflow_run_id is None:
         raise ValueError(f"run {run_id} has no MLflow run in {tracker.uri}")
     tracker.reopen(mlflow_run_id)
-    return cfg, RunContext(run_id, run_dir, mlflow_run_id, Path(cfg.output_dir), run_tags(cfg, run_id))
+    return mlflow_run_id
 
 
 def start_stage_run(ctx: RunContext, stage: str, params: dict) -> str:

@@ -13,8 +13,7 @@ from transformers import AutoTokenizer
 from tasks.config import OptimConfig, RunConfig
 from tasks.data.chat_examples import Segments, sft_examples, tokenize_segments
 from tasks.data.pretrain import copy_drill_samples, copy_probe_samples, document_samples
-from tasks.data.problems import Problem
-from tasks.train.sample import Sample
+from tasks.records import Problem, Sample
 from tasks.train.tiny_model import build_tiny_model
 from tasks.train.trainer import Trainer
 
@@ -79,11 +78,9 @@ def build_base_model(cfg: RunConfig, train: list[Problem], model_dir: Path, log:
     if steps:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         # Constant after warm-up: a decaying rate slowed the problem phase that follows the drills.
-        # Micro-batches of 8 sequences: 9% faster than 16 on two cores, the same gradient (LOG.md).
-        optim = OptimConfig(
-            lr=tiny.pretrain_lr, schedule="constant", warmup_steps=steps // 40, zero_stage=1, micro_batch_size=8
-        )
-        trainer = Trainer(model_dir, optim, steps, cfg.model.dtype, cfg.seed, cfg.trainer_threads)
+        # Micro-batches of 8 sequences: 9% faster than 16 on two cores, the same gradient.
+        optim = OptimConfig(lr=tiny.pretrain_lr, schedule="constant", warmup_steps=steps // 40, micro_batch_size=8)
+        trainer = Trainer(model_dir, optim, steps, cfg.model.dtype, cfg.seed, cfg.trainer.threads, zero_stage=1)
         drills = copy_drill_samples(tokenizer, tiny, cfg.seed)
         probe = copy_probe_samples(tokenizer, 64, cfg.seed + 7)
         formed: list[int] = []

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from tasks.config import LossConfig, OptimConfig
+from tasks.records import Sample
 from tasks.rl.loss import ppo_clip_loss, sft_loss, token_logprobs
-from tasks.train.sample import Sample
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -65,7 +65,7 @@ def init_distributed() -> None:
     deepspeed.init_distributed()
 
 
-def deepspeed_config(optim: OptimConfig, bf16: bool) -> dict:
+def deepspeed_config(optim: OptimConfig, bf16: bool, zero_stage: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": optim.micro_batch_size,
         "gradient_accumulation_steps": 1,  # reset per step, see Trainer._accumulate
@@ -80,7 +80,7 @@ def deepspeed_config(optim: OptimConfig, bf16: bool) -> dict:
             },
         },
         "gradient_clipping": optim.grad_clip,
-        "zero_optimization": {"stage": optim.zero_stage},
+        "zero_optimization": {"stage": zero_stage},
         "bf16": {"enabled": bf16},
         "steps_per_print": 2**31 - 1,
     }
@@ -116,6 +116,7 @@ class Trainer:
         dtype: str = "float32",
         seed: int = 0,
         threads: int = 1,
+        zero_stage: int = 2,
     ):
         import deepspeed
         from transformers import AutoModelForCausalLM
@@ -123,11 +124,11 @@ class Trainer:
         init_distributed()
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.optim = optim
+        self.optim, self.zero_stage = optim, zero_stage
         self.engine, _, _, _ = deepspeed.initialize(
             model=model,
             model_parameters=model.parameters(),
-            config=deepspeed_config(optim, bf16=dtype == "bfloat16"),
+            config=deepspeed_config(optim, bf16=dtype == "bfloat16", zero_stage=zero_stage),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
                 opt, lambda step: lr_multiplier(step, optim, total_steps)
             ),
@@ -247,7 +248,7 @@ class Trainer:
 
         `temperature` is the rollouts' sampling temperature: log-probs (and the entropy metric)
         are those of the distribution the tokens were drawn from. At 0.6 without it, the tiny
-        default's reward fell from 0.32 to 0 in ten steps (LOG.md, 2026-11-23 copy-drills entry)."""
+        default's reward fell from 0.32 to 0 in ten steps."""
         with self._threads():
             return self._rl_step(samples, loss_cfg, temperature)
 
@@ -309,7 +310,7 @@ class Trainer:
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full weights under their Hugging Face names. ZeRO 0-2 keep full weights on every rank;
         ZeRO-3 partitions them, so they are gathered (and copied) first."""
-        if self.optim.zero_stage < 3:
+        if self.zero_stage < 3:
             for name, tensor in self.engine.module.state_dict().items():
                 yield name, tensor.detach()
             return
