@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -61,14 +62,15 @@ def rss_mb(pid: int | None) -> float:
     return 0.0
 
 
-def stats(url: str) -> dict:
+def stats(url: str, token: str | None = None) -> dict:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(url + "/stats", timeout=10) as response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with opener.open(urllib.request.Request(url + "/stats", headers=headers), timeout=10) as response:
         return json.load(response)
 
 
-def memory(url: str, server_pid: int | None) -> dict:
-    template = stats(url)["template"] or {}
+def memory(url: str, server_pid: int | None, token: str | None = None) -> dict:
+    template = stats(url, token)["template"] or {}
     return {
         "server_mb": rss_mb(server_pid),
         "template_mb": rss_mb(template.get("pid")),
@@ -127,7 +129,9 @@ def with_replicas(args: argparse.Namespace) -> tuple[dict, int, int]:
     ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1")
     log_dir = Path("outputs/bench/sandbox-soak")
     replica = ray.remote(SandboxActor).options(num_cpus=0.5, max_restarts=-1)
-    group = SandboxGroup([replica.remote(i, args.workers, Limits(), str(log_dir)) for i in range(args.replicas)], 120)
+    token = secrets.token_urlsafe(32)
+    replicas = [replica.remote(i, args.workers, Limits(), str(log_dir), token, True) for i in range(args.replicas)]
+    group = SandboxGroup(replicas, 120)
     kept = ray.get(group.actors[0].where.remote())
     stop, kills = threading.Event(), [0]
 
@@ -142,14 +146,14 @@ def with_replicas(args: argparse.Namespace) -> tuple[dict, int, int]:
     killer = threading.Thread(target=kill_the_last, daemon=True)
     killer.start()
     try:
-        client = SandboxClient(group.urls, timeout_s=600, batch_size=args.batch, resolve=group.resolve)
+        client = SandboxClient(group.urls, timeout_s=600, batch_size=args.batch, resolve=group.resolve, token=token)
         report = asyncio.run(
-            soak(client, lambda: memory(kept["url"], kept["server_pid"]), args.calls, args.in_flight, args.batch)
+            soak(client, lambda: memory(kept["url"], kept["server_pid"], token), args.calls, args.in_flight, args.batch)
         )
         report["retried"] = client.retried
         stop.set()
         killer.join()
-        ran = sum(stats(group.resolve(i))["done"] for i in range(args.replicas))
+        ran = sum(stats(group.resolve(i), token)["done"] for i in range(args.replicas))
     finally:
         group.stop()
         ray.shutdown()

@@ -136,8 +136,9 @@ def test_an_engine_dead_as_the_push_begins_is_dropped_from_it_and_comes_back(run
     runtime.started += started_pids(runtime.placement.where(30))
 
 
-def stats(url: str) -> dict:
-    with urllib.request.urlopen(url + "/stats", timeout=10) as response:
+def stats(url: str, token: str) -> dict:
+    request = urllib.request.Request(url + "/stats", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
         return json.load(response)
 
 
@@ -164,10 +165,10 @@ def wait_for_replica(runtime, index: int, gone_url: str | None) -> None:
         assert time.monotonic() < deadline, "the replica never came back"
         runtime.tools.submit("print(1)", "").result(timeout=60)
         time.sleep(0.5)
-    done = stats(client.urls[index])["done"]
+    done = stats(client.urls[index], runtime.sandbox_token)["done"]
     for i in range(20):
         assert runtime.tools.submit(f"print({i})", "").result(timeout=120).status is ToolStatus.OK
-    assert stats(client.urls[index])["done"] > done  # it serves again
+    assert stats(client.urls[index], runtime.sandbox_token)["done"] > done  # it serves again
 
 
 def test_a_dead_sandbox_replica_costs_a_retry_never_an_answer(runtime) -> None:

@@ -16,6 +16,7 @@ from prefect.testing.utilities import prefect_test_harness
 from dashboards.views import connect
 from flows.pipeline import pipeline
 from tasks.data.problems import generate_problems
+from tasks.sandbox.app import TOKEN_ENV
 from tasks.tracking.mlflow_log import EXPERIMENT, tracking_uri
 
 pytestmark = pytest.mark.slow  # starts engines or trains
@@ -34,6 +35,7 @@ HARD = {
     "reset_optimizer": True,
 }
 STOP_REASONS = {"answer", "no_answer", "max_turns", "budget"}
+CREDENTIAL = "the-e2e-runs-sandbox-credential"  # the run uses $RSTAR2_SANDBOX_TOKEN where it is set
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,8 @@ def run(tmp_path_factory):
         "eval.base": True,
         "data.benchmarks": [{"name": "mini", "format": "jsonl", "path": str(bench), "problem": "question"}],
     }
-    with prefect_test_harness(server_startup_timeout=180):  # a new database migrates first
+    with pytest.MonkeyPatch.context() as env, prefect_test_harness(server_startup_timeout=180):
+        env.setenv(TOKEN_ENV, CREDENTIAL)
         result = pipeline(config=str(CONFIG), run_id="e2e", overrides=overrides)
         with get_client(sync_client=True) as client:  # while the test server is up
             result["artifacts"] = {a.key: a for a in client.read_artifacts() if a.key}
@@ -80,6 +83,16 @@ def test_summary_has_every_stage(run):
     checkpoints = Path(result["run_dir"]) / "checkpoints" / "stage1"
     assert (checkpoints / "latest").read_text() == "step-00001"
     assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-00000", "step-00001"]
+
+
+def test_the_sandbox_listens_on_loopback_and_its_credential_is_written_nowhere(run):
+    result, output_dir = run
+    actors = json.loads((Path(result["run_dir"]) / "placement.json").read_text())["actors"]
+    urls = [actor["url"] for actor in actors if actor["role"] == "sandbox"]
+    assert urls and all(url.startswith("http://127.0.0.1:") for url in urls)  # a local Ray: loopback
+    assert "credential required" in (Path(result["run_dir"]) / "logs" / "sandbox-0.log").read_text()
+    files = [path for path in output_dir.rglob("*") if path.is_file()]  # logs, tables, MLflow's database
+    assert files and [str(path) for path in files if CREDENTIAL.encode() in path.read_bytes()] == []
 
 
 def test_evaluation_table_compares_checkpoints_on_every_benchmark(run):

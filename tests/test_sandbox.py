@@ -1,6 +1,6 @@
 """Tests for the code-execution sandbox: status/result types, the isolated executor's statuses and
-limits, the HTTP service (validation, batching, 503 backpressure, stats) and the client (failover,
-outage -> INTERNAL).
+limits, the HTTP service (validation, batching, 503 backpressure, stats, the run's credential,
+the body limit) and the client (failover, outage -> INTERNAL, a refused credential stops it).
 
 Everything runs against real servers started with SandboxService on 127.0.0.1 and real Python
 subprocesses; nothing is mocked. About 10 s on two cores.
@@ -18,9 +18,10 @@ import aiohttp
 import pytest
 
 from tasks.records import ToolResult, ToolStatus
-from tasks.sandbox.client import SandboxClient, SandboxOutage
+from tasks.sandbox.app import MAX_BODY_BYTES, TOKEN_ENV
+from tasks.sandbox.client import SandboxClient, SandboxOutage, SandboxRefused
 from tasks.sandbox.executor import TRUNCATION_MARKER, Limits
-from tasks.sandbox.server import SandboxService, _free_port
+from tasks.sandbox.server import SandboxService, _free_port, main
 from tests.sandbox_helpers import execute, service_with_secret
 
 # Short limits keep the timeout tests quick.
@@ -327,3 +328,55 @@ def test_service_stops_when_its_parent_is_killed(tmp_path) -> None:
         time.sleep(0.2)
     stat = Path(f"/proc/{server_pid}/stat")
     assert not stat.exists() or stat.read_text().split(")")[1].split()[0] == "Z"
+
+
+# ------------------------------------------------------------------------------------------------
+# The run's credential
+
+
+def test_a_call_without_the_runs_credential_gets_401_and_runs_nothing() -> None:
+    with SandboxService(workers=1, limits=LIMITS, token="the-runs-secret") as box:
+
+        async def go() -> tuple[list[int], int, int]:
+            statuses = []
+            async with aiohttp.ClientSession() as session:
+                for headers in ({}, {"Authorization": "Bearer a-guess"}):
+                    for path in ("/execute", "/execute_batch"):
+                        body = {"code": "print(1)", "input": "", "requests": [{"code": "print(1)"}]}
+                        async with session.post(box.url + path, json=body, headers=headers) as response:
+                            statuses.append(response.status)
+                    async with session.get(box.url + "/stats", headers=headers) as response:
+                        statuses.append(response.status)
+                async with session.get(box.url + "/health") as response:  # liveness needs none
+                    health = response.status
+                auth = {"Authorization": "Bearer the-runs-secret"}
+                async with session.get(box.url + "/stats", headers=auth) as response:
+                    done = (await response.json())["done"]
+            return statuses, health, done
+
+        statuses, health, done = asyncio.run(go())
+        assert statuses == [401] * 6 and health == 200
+        assert done == 0  # nothing ran
+        # With it, through the client: the call runs, and the program cannot read the credential.
+        program = f"import os\nprint(os.environ.get({TOKEN_ENV!r}))"
+        (result,) = execute_batch([box.url], [(program, "")], token="the-runs-secret")
+        assert (result.status, result.stdout.strip()) == (ToolStatus.OK, "None")
+        with pytest.raises(SandboxRefused, match="HTTP 401"):  # loudly, not as `internal` tool calls
+            execute_batch([box.url], [("print(1)", "")], token="another-runs-secret")
+
+
+def test_the_service_refuses_a_network_address_without_a_credential(monkeypatch, capsys) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    with pytest.raises(SystemExit):
+        main(["serve", "--host", "10.11.12.13"])
+    assert f"set ${TOKEN_ENV}" in capsys.readouterr().err
+
+
+def test_a_body_over_the_limit_is_refused_unread(service: SandboxService) -> None:
+    async def post(size: int) -> int:
+        async with aiohttp.ClientSession() as session:
+            body = json.dumps({"code": "#" + "x" * size, "input": ""})
+            async with session.post(service.url + "/execute", data=body) as response:
+                return response.status
+
+    assert asyncio.run(post(MAX_BODY_BYTES)) == 413

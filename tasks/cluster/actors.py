@@ -70,7 +70,11 @@ class Placement:
             **options,
         }
 
-    def start(self, cfg: RunConfig, model_dir: Path, run_dir: Path, with_sandboxes: bool) -> Placement:
+    def start(
+        self, cfg: RunConfig, model_dir: Path, run_dir: Path, sandbox_token: str | None, loopback: bool
+    ) -> Placement:
+        """The run's actors. Sandbox replicas only with `sandbox_token` (the credential their calls
+        carry; None where `sandbox.urls` names running services), on loopback with `loopback`."""
         c = cfg.cluster
         timeout = c.startup_timeout_s
         colocated = c.placement == "colocated" and cfg.trainer.gpus > 0
@@ -103,7 +107,7 @@ class Placement:
             ).remote(index, str(model_dir), engine_cfg, cfg.seed + index, cfg.model.dtype, cfg.engines.count > 1)
             for index, (pg, b) in enumerate(engine_slots[: cfg.engines.count])
         ]
-        if with_sandboxes:
+        if sandbox_token is not None:
             box = cfg.sandbox
             limits = Limits(
                 timeout_s=box.program_timeout_s,
@@ -116,7 +120,7 @@ class Placement:
             replica = ray.remote(SandboxActor)
             self.sandboxes = [
                 replica.options(**self._at(pg, b, spec, 0), max_restarts=spec.max_restarts).remote(
-                    index, box.workers, limits, str(run_dir / "logs")
+                    index, box.workers, limits, str(run_dir / "logs"), sandbox_token, loopback
                 )
                 for index, b in enumerate(_in_node_order(pg))
             ]

@@ -1,5 +1,7 @@
-"""Sandbox replicas as Ray actors: each runs the project's sandbox service on its node, on the
-node's address, and the rollout's client spreads calls over their URLs (least in flight)."""
+"""Sandbox replicas as Ray actors: each runs the project's sandbox service on its node, and the
+rollout's client spreads calls over their URLs (least in flight). On a cluster a replica listens
+on its node's address, on a laptop on loopback; either way every call must carry the run's
+credential, which the driver hands to the replicas (never to logs, MLflow or placement.json)."""
 
 from __future__ import annotations
 
@@ -18,12 +20,13 @@ class SandboxActor:
     actor (sandbox.max_restarts), and the actor starts its service again, on the same
     port, if the service alone died."""
 
-    def __init__(self, index: int, workers: int, limits: Limits, log_dir: str):
+    def __init__(self, index: int, workers: int, limits: Limits, log_dir: str, token: str, loopback: bool):
         self.index = index
         log_path = Path(log_dir) / f"sandbox-{index}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        host = node_address()
-        self.service = SandboxService(host=host, workers=workers, limits=limits, log_path=log_path).start()
+        host = "127.0.0.1" if loopback else node_address()
+        self.service = SandboxService(host=host, workers=workers, limits=limits, log_path=log_path, token=token)
+        self.service.start()
 
     def url(self) -> str:
         """Where the service answers; started again first if it died."""

@@ -105,13 +105,17 @@ class ToolRunner:
     """Runs the async sandbox client on a loop of its own, so the sync engine loop can poll."""
 
     def __init__(
-        self, urls: list[str], resolve: Callable[[int], str | None] | None = None, outage_timeout_s: float = 300.0
+        self,
+        urls: list[str],
+        resolve: Callable[[int], str | None] | None = None,
+        outage_timeout_s: float = 300.0,
+        token: str | None = None,
     ):
-        """`resolve` and `outage_timeout_s`: as SandboxClient takes them."""
+        """`resolve`, `outage_timeout_s` and `token`: as SandboxClient takes them."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tool-runner", daemon=True)
         self._thread.start()
-        self.client = SandboxClient(urls, resolve=resolve, outage_timeout_s=outage_timeout_s)
+        self.client = SandboxClient(urls, resolve=resolve, outage_timeout_s=outage_timeout_s, token=token)
 
     def submit(self, code: str, stdin: str) -> Future:
         return asyncio.run_coroutine_threadsafe(self.client.execute(code, stdin), self._loop)

@@ -9,6 +9,8 @@ actors on a local Ray.
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from tasks.records import Sample
 from tasks.reward.verify import Verifier
 from tasks.rollout.agent import ToolRunner
 from tasks.rollout.metrics import max_logprob_gap
+from tasks.sandbox.app import TOKEN_ENV
 
 
 class Runtime:
@@ -41,6 +44,7 @@ class Runtime:
         self.verifier: Verifier | None = None
         self.trainer: TrainerGroup | None = None
         self.weight_sync: WeightSync | None = None
+        self.sandbox_token: str | None = None  # the credential every sandbox call carries
         self._trainer_started = False
         self._stages_trained: set[str] = set()  # RL stages this runtime has trained (or resumed)
 
@@ -56,7 +60,12 @@ class Runtime:
         cluster = self.cfg.cluster
         self.cluster.start()
         build_plan(self.cfg, resources_from_ray_nodes(self.cluster.nodes()))  # refuses before any actor exists
-        self.placement.start(self.cfg, self.model_dir, self.run_dir, with_sandboxes=not self.cfg.sandbox.urls)
+        # The credential every sandbox call carries: the user's for services of their own
+        # (sandbox.urls), else a new one per run, which only this driver and its replicas hold.
+        own = not self.cfg.sandbox.urls
+        self.sandbox_token = os.environ.get(TOKEN_ENV) or (secrets.token_urlsafe(32) if own else None)
+        replicas_token = self.sandbox_token if own else None
+        self.placement.start(self.cfg, self.model_dir, self.run_dir, replicas_token, loopback=self.cluster.local)
         self.engines = EngineGroup(self.placement.engines, self.cfg.engines)
         urls = self.cfg.sandbox.urls
         if not urls:
@@ -68,7 +77,7 @@ class Runtime:
         self.trainer.where = [row for row in self.where if row["role"] == "trainer"]
         print(placement_table(self.where))
         resolve = self.sandboxes.resolve if self.sandboxes else None
-        self.tools = ToolRunner(urls, resolve, self.cfg.sandbox.outage_timeout_s)
+        self.tools = ToolRunner(urls, resolve, self.cfg.sandbox.outage_timeout_s, self.sandbox_token)
         self.verifier = Verifier()
 
     def __exit__(self, *exc) -> None:

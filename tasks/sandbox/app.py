@@ -5,6 +5,10 @@
     GET  /health                                               -> {"status": "ok", "pid": int}
     GET  /stats          in flight, done, rejected, counts by status, latency p50/p99
 
+With a credential (`token`; the server reads it from $RSTAR2_SANDBOX_TOKEN), every call but
+/health must carry `Authorization: Bearer <token>`; one without it is answered 401 before its body
+is read, and nothing runs. A request body larger than MAX_BODY_BYTES is answered 413.
+
 At most `workers` programs run at once; at most `max_queue` more calls wait for a slot. Past that
 the server answers 503 {"error": "busy"} at once, so an overloaded sandbox pushes back on its
 callers instead of growing an unbounded queue (the client retries 503 with a backoff).
@@ -16,6 +20,7 @@ logged at start-up, one line per layer.
 
 import asyncio
 import collections
+import hmac
 import os
 import time
 from typing import Any
@@ -27,9 +32,28 @@ from tasks.sandbox.executor import TemplatePool
 from tasks.sandbox.fresh import run_python
 from tasks.sandbox.limits import Limits
 
+# Batches of long programs are large; aiohttp's default cap is 1 MiB.
+MAX_BODY_BYTES = 64 << 20
+TOKEN_ENV = "RSTAR2_SANDBOX_TOKEN"
+
 
 class _BadRequest(Exception):
     pass
+
+
+def _require(token: str):
+    """Middleware: every route but /health needs the credential (compared in constant time)."""
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path != "/health":
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return web.json_response({"error": "this sandbox needs its run's credential"}, status=401)
+        return await handler(request)
+
+    return check
 
 
 def _parse_call(item: Any, where: str = "") -> tuple[str, str]:
@@ -172,11 +196,12 @@ def create_app(
     limits: Limits = Limits(),
     latency_window: int = 1000,
     template: bool = True,
+    token: str | None = None,
 ) -> web.Application:
-    """`template`: fork calls from a warm pre-loaded process (else one fresh interpreter each)."""
+    """`template`: fork calls from a warm pre-loaded process (else one fresh interpreter each);
+    `token`: the credential every call must carry (None: none needed)."""
     sandbox = _Sandbox(workers, max_queue, limits, latency_window, template)
-    # Batches of long programs are large; aiohttp's default cap is 1 MiB.
-    app = web.Application(client_max_size=64 << 20)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_require(token)] if token else [])
     app.add_routes(
         [
             web.post("/execute", sandbox.execute),

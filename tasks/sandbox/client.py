@@ -38,6 +38,11 @@ class SandboxOutage(RuntimeError):
     """No replica has answered for longer than the client's `outage_timeout_s`."""
 
 
+class SandboxRefused(RuntimeError):
+    """A replica refused the run's credential: every call would be refused, so the attempt stops
+    rather than train on calls that all came back `internal`."""
+
+
 class SandboxClient:
     def __init__(
         self,
@@ -49,6 +54,7 @@ class SandboxClient:
         down_s: float = 2.0,
         resolve: Callable[[int], str | None] | None = None,
         outage_timeout_s: float = 300.0,
+        token: str | None = None,
     ) -> None:
         """`timeout_s` bounds one HTTP request, queueing on the server included; `batch_size` is
         the most calls sent in one /execute_batch request (the paper's workers batch up to 64)."""
@@ -62,6 +68,7 @@ class SandboxClient:
         self.down_s = down_s
         self.resolve = resolve
         self.outage_timeout_s = outage_timeout_s
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._failing_since: list[float | None] = [None] * len(self.urls)  # first failure since it last answered
         self.retried = 0  # attempts beyond each call's first: what outages cost
         self._down_until = [0.0] * len(self.urls)
@@ -90,6 +97,7 @@ class SandboxClient:
                 # No client-side connection cap: the server's bounded queue is the backpressure,
                 # and a pool limit here would be a hidden second queue eating into timeout_s.
                 connector=aiohttp.TCPConnector(limit=0),
+                headers=self._headers,
             )
         return self._session
 
@@ -174,6 +182,10 @@ class SandboxClient:
             self._in_flight[replica] += n_calls
             try:
                 async with session.post(url, json=payload) as response:
+                    if response.status == 401:
+                        raise SandboxRefused(
+                            f"{url} refused the call (HTTP 401): the run's credential is missing or wrong"
+                        )
                     if response.status == 503:
                         reason = f"{url} busy (HTTP 503)"
                         failed.add(replica)

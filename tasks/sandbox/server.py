@@ -7,6 +7,7 @@ The HTTP application itself (routes, admission control, counters) is in app.py.
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from tasks.sandbox.app import create_app
+from tasks.sandbox.app import TOKEN_ENV, create_app
 from tasks.sandbox.limits import Limits
 
 # The directory that holds the `tasks` package, so `python -m tasks.sandbox.server` resolves
@@ -41,6 +42,13 @@ async def _watch_parent(app: web.Application) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     app["parent_watch"] = asyncio.get_running_loop().create_task(watch())
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _limit_flag(name: str) -> str:
@@ -69,13 +77,20 @@ def main(argv: list[str] | None = None) -> None:
     for f in fields(Limits):
         serve.add_argument(_limit_flag(f.name), type=type(f.default), default=f.default, help=f.metadata["help"])
     args = parser.parse_args(argv)
+    token = os.environ.get(TOKEN_ENV) or None
+    if token is None and not _loopback(args.host):
+        parser.error(
+            f"--host {args.host}: a sandbox on a network address runs whatever anyone who reaches it "
+            f"sends; set ${TOKEN_ENV} to the credential its callers send"
+        )
 
     limits = Limits(**{f.name: getattr(args, f.name) for f in fields(Limits)})
-    app = create_app(args.workers, args.max_queue, limits, template=not args.spawn)
+    app = create_app(args.workers, args.max_queue, limits, template=not args.spawn, token=token)
     if args.exit_with_parent:
         app.on_startup.append(_watch_parent)
     print(
-        f"sandbox on http://{args.host}:{args.port}: {args.workers} workers, queue {args.max_queue}, {limits}",
+        f"sandbox on http://{args.host}:{args.port}: {args.workers} workers, queue {args.max_queue}, {limits}, "
+        f"{'credential required' if token else 'no credential'}",
         file=sys.stderr,
         flush=True,
     )
@@ -113,7 +128,10 @@ class SandboxService:
         max_queue: int = 4096,
         startup_timeout_s: float = 30.0,
         log_path: Path | None = None,
+        token: str | None = None,
     ) -> None:
+        """`token`: the credential every call must carry, handed to the server in its environment
+        (never on its command line, which `ps` shows); None: none needed, on loopback only."""
         self.host = host
         self.port = port
         self.workers = workers
@@ -121,6 +139,7 @@ class SandboxService:
         self.max_queue = max_queue
         self.startup_timeout_s = startup_timeout_s
         self.log_path = log_path
+        self.token = token
         self._remove_log = False
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -171,7 +190,7 @@ class SandboxService:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=_PACKAGE_ROOT,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                env={**os.environ, "OMP_NUM_THREADS": "1", TOKEN_ENV: self.token or ""},
                 start_new_session=True,  # a Ctrl-C meant for the caller should not hit the server
             )
         self._wait_until_healthy()
