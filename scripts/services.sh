@@ -14,6 +14,9 @@ PREFECT_PORT=${PREFECT_PORT:-4200}
 MLFLOW_PORT=${MLFLOW_PORT:-5000}
 export PREFECT_HOME=${PREFECT_HOME:-$PWD/outputs/prefect}
 export PREFECT_API_URL=http://127.0.0.1:$PREFECT_PORT/api
+# Flow runs send a heartbeat every 30 s (Prefect's floor); the automation flows/automations.py
+# creates marks one Crashed when they stop, so a killed driver's run can be retried from the UI.
+export PREFECT_FLOWS_HEARTBEAT_FREQUENCY=${PREFECT_FLOWS_HEARTBEAT_FREQUENCY:-30}
 # Nothing leaves the machine; one thread per process on small machines.
 eval "$("$VENV/bin/python" -m tasks.config.environment)"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -50,6 +53,8 @@ start)
         "$VENV/bin/prefect" --no-prompt deploy --name "$deployment" > "$STATE/deploy-$deployment.log" 2>&1 \
             || { cat "$STATE/deploy-$deployment.log" >&2; exit 1; }
     done
+    "$VENV/bin/python" -m flows.automations > "$STATE/automations.log" 2>&1 \
+        || { cat "$STATE/automations.log" >&2; exit 1; }
     start_bg prefect-worker "$VENV/bin/prefect" worker start --pool local
     start_bg mlflow-ui "$VENV/bin/mlflow" ui --host 127.0.0.1 --port "$MLFLOW_PORT" \
         --backend-store-uri "sqlite:///$PWD/outputs/mlflow.db"

@@ -3,9 +3,11 @@ and the MLflow UI on loopback and deploys prefect.yaml; the deployments are trig
 parameters through the API (what the UI's Custom run form sends) and must complete: the stage
 deployment runs the first RL stage of a new run, the pipeline deployment finishes that run (the
 first stage not redone), the evaluate deployment evaluates its last stage again with another k;
-`stop` ends every service. About 5 minutes on two cores."""
+a deployment run whose driver is SIGKILLed shows as Crashed (its heartbeats stop) and the UI's
+Retry resumes it; `stop` ends every service. About 9 minutes on two cores."""
 
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -13,9 +15,11 @@ from pathlib import Path
 import pytest
 from prefect import get_client
 from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.states import AwaitingRetry
 
 from tasks.store.tables import partition, read_table
 from tests.browser import _free_port
+from tests.processes import placed_pids, wait_for, wait_gone
 from tests.small_run import small_run, stage
 
 pytestmark = pytest.mark.slow  # starts engines or trains
@@ -33,6 +37,31 @@ def _run_deployment(client, name: str, parameters: dict, worker_log: Path):
         assert time.monotonic() < deadline, f"{name}: flow run still {state.name} after 10 minutes"
         time.sleep(2)
     assert state.is_completed(), (name, state, worker_log.read_text()[-3000:])
+
+
+def _driver(flow_run_id) -> int:
+    """The process the worker started for a flow run: the one carrying its id whose parent does
+    not (the run's own children, Ray's processes among them, inherit the variable)."""
+
+    def run_id_of(pid: str) -> str | None:
+        try:
+            entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            return None
+        return next((e.split(b"=", 1)[1].decode() for e in entries if e.startswith(b"PREFECT__FLOW_RUN_ID=")), None)
+
+    mine = [pid for pid in os.listdir("/proc") if pid.isdigit() and run_id_of(pid) == str(flow_run_id)]
+    parent = {pid: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] for pid in mine}
+    (root,) = [pid for pid in mine if parent[pid] not in mine]
+    return int(root)
+
+
+def _wait_state(client, flow_run_id, done, what: str, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while not done(state := client.read_flow_run(flow_run_id).state):
+        assert time.monotonic() < deadline, f"{what}: flow run still {state.name} after {timeout_s:.0f} s"
+        time.sleep(2)
+    return state
 
 
 def test_pipeline_deployment_runs_from_the_api(tmp_path) -> None:
@@ -84,6 +113,32 @@ def test_pipeline_deployment_runs_from_the_api(tmp_path) -> None:
                 },
                 worker_log,
             )
+            # The worker and the driver SIGKILLed mid-run, as when their machine is lost: nothing
+            # reports the end, so the heartbeats' automation marks the run Crashed; once a worker
+            # is back, the UI's Retry resumes the run.
+            killed = {**parameters, "run_id": "killed"}
+            tiny = client.read_deployment_by_name("rstar2-pipeline/tiny")
+            flow_run = client.create_flow_run_from_deployment(tiny.id, parameters=killed)
+            killed_dir = outputs / "runs" / "killed"
+            wait_for(killed_dir / "state" / "sft.json")
+            sft_done = (killed_dir / "state" / "sft.json").stat().st_mtime_ns
+            driver, worker = _driver(flow_run.id), int((tmp_path / "services" / "prefect-worker.pid").read_text())
+            os.kill(worker, signal.SIGKILL)
+            os.kill(driver, signal.SIGKILL)
+            assert not wait_gone([worker, driver])
+            killed_at = time.monotonic()
+            crashed = _wait_state(client, flow_run.id, lambda s: s.is_crashed(), "SIGKILLed driver", 300)
+            crash_s = time.monotonic() - killed_at
+            assert "heartbeat" in crashed.message, crashed
+            assert not wait_gone(placed_pids(killed_dir))  # its actors and sandboxes went with it
+            restarted = subprocess.run([str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=600)
+            assert restarted.returncode == 0, restarted.stderr
+            client.set_flow_run_state(flow_run.id, AwaitingRetry(message="Retry from the UI"), force=True)
+            resumed = _wait_state(client, flow_run.id, lambda s: s.is_final(), "retried run", 600)
+            assert resumed.is_completed(), (resumed, worker_log.read_text()[-3000:])
+            assert (killed_dir / "state" / "sft.json").stat().st_mtime_ns == sft_done  # not redone
+            assert (killed_dir / "models" / "stage2" / "config.json").exists()
+            print(f"crashed {crash_s:.0f} s after its driver was killed")
         assert (run_dir / "summary.json").exists()
         evaluation = read_table(partition(run_dir, "evaluations", checkpoint="stage2-k4", benchmark="heldout"))
         assert [(row["checkpoint"], row["k"], row["problems"]) for row in evaluation] == [("stage2-k4", 4, 4)]
