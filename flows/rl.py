@@ -11,6 +11,7 @@ from tasks.grpo import (
     keep_unsolved,
     prepare_trainer,
     record_step,
+    rejoin_engines,
     resume_stage,
     sample_problems,
     select_batch,
@@ -33,6 +34,7 @@ def rl_step(
     problems: list[Problem],
     stage_run: str,
 ) -> dict:
+    rejoined = rejoin_engines(runtime)
     batch_problems = sample_problems(problems, stage.problems_per_step, cfg.seed, stage.name, step)
     rollouts = roll_out(runtime, batch_problems, cfg.rl.rollouts_per_problem, stage, desc=f"{stage.name} step {step}")
     rollouts = score(runtime, rollouts)
@@ -40,7 +42,7 @@ def rl_step(
     write_rollouts(ctx.run_id, ctx.run_dir, stage.name, step, rollouts, batch.kept, batch.advantages)
     update = update_policy(runtime, batch, cfg, stage)
     update |= checkpoint(runtime, ctx, stage.name, step, cfg.rl.checkpoint_keep)
-    update |= sync_weights(runtime, batch)
+    update |= sync_weights(runtime, batch, rejoined)
     return record_step(ctx, stage_run, stage, step, rollouts, batch, update)
 
 

@@ -59,13 +59,24 @@ def checkpoint(runtime: Runtime, ctx: RunContext, stage: str, step: int, keep: i
 
 
 @task(cache_policy=NO_CACHE)
-def sync_weights(runtime: Runtime, batch: TrainingBatch, probe_size: int = 2) -> dict:
+def rejoin_engines(runtime: Runtime) -> int:
+    """Before a step's rollouts: engines Ray has restarted since the last push get the current
+    weights and take rollouts again in this step; how many rejoined."""
+    return runtime.rejoin_restarted()
+
+
+@task(cache_policy=NO_CACHE)
+def sync_weights(runtime: Runtime, batch: TrainingBatch, rejoined: int = 0, probe_size: int = 2) -> dict:
     """Push the trainer's weights into the running engines, and into any Ray has restarted (they
     serve again from the next step); a stale or wrong sync shows up as a log-prob gap on a few
-    kept trajectories."""
+    kept trajectories. `engine_restarts` counts the step's rejoined engines, `rejoined` of them
+    before its rollouts."""
     started, restarts = time.perf_counter(), runtime.engines.restarts
     gap = runtime.sync_weights(batch.samples[:probe_size])
-    metrics = {"time_sync_s": time.perf_counter() - started, "engine_restarts": runtime.engines.restarts - restarts}
+    metrics = {
+        "time_sync_s": time.perf_counter() - started,
+        "engine_restarts": rejoined + runtime.engines.restarts - restarts,
+    }
     return metrics | ({} if gap is None else {"sync_logprob_gap": gap})
 
 

@@ -127,12 +127,13 @@ def test_an_engine_dead_as_the_push_begins_is_dropped_from_it_and_comes_back(run
     runtime.sync_weights([])
     assert pool.serving == [False, True] and pool.deaths == deaths + 1
     assert len(pool.prompt_logprobs([[1, 2, 3]])) == 1
+    # Back once Ray has restarted it: before the next update's push (as a step's rollouts begin).
     deadline = time.monotonic() + 180
-    while pool.restarts == restarts:
+    while runtime.rejoin_restarted() == 0:
         assert time.monotonic() < deadline, "the dead engine never came back"
-        runtime.sync_weights([])
         time.sleep(1)
-    assert pool.serving == [True, True] and len(pool.prompt_logprobs([[1, 2, 3]])) == 2
+    assert pool.restarts == restarts + 1 and pool.serving == [True, True]
+    assert len(pool.prompt_logprobs([[1, 2, 3]])) == 2
     runtime.started += started_pids(runtime.placement.where(30))
 
 

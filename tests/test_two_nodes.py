@@ -7,7 +7,8 @@ The same pipeline runs again on the two nodes with a fault injected into the rea
 seeded moment, each compared with the uninterrupted run (tables: rows, unique keys, group sizes;
 MLflow step histories):
 - a sandbox replica (actor and server) SIGKILLed as the RL stage begins, and an engine while it
-  generates step 0's rollouts: the stage goes on, the step rows count what it cost;
+  generates step 0's rollouts (or as they end, before the weight push): the stage goes on, the
+  step rows count what it cost;
 - a trainer rank SIGKILLed in step 1's update: the attempt fails naming the rank, and Prefect's
   retry goes on from step 0's checkpoint;
 - the CPU node removed after step 0: its sandbox replicas come back on the node that is left;
@@ -286,8 +287,12 @@ def test_a_dead_engine_and_sandbox_replica_cost_requeues_and_retries_not_the_sta
     run_dir, log = runs["faults"]["actors"]
     assert log == ["sandbox 0", "engine 1"]  # both injected, and no attempt failed
     assert_same_as_uninterrupted(runs, run_dir)
-    assert step_metric(run_dir, "engine_deaths") == {0: 1.0, 1: 0.0}
-    assert step_metric(run_dir, "requeued_rollouts")[0] > 0
+    # The death counts in the step that found it: step 0 when it fell while step 0 generated (its
+    # rollouts then went to the other engine), step 1 when it fell as step 0's generation ended
+    # (the weight push that followed went on without it).
+    deaths, requeued = step_metric(run_dir, "engine_deaths"), step_metric(run_dir, "requeued_rollouts")
+    assert sorted(deaths.values()) == [0.0, 1.0], deaths
+    assert deaths[1] == 1.0 or requeued[0] > 0
     # Ray restarted the replica (whether a call reached it while it was gone depends on what the
     # policy sends: tests/test_actor_faults.py kills one with calls in flight).
     assert (run_dir / "logs" / "sandbox-0.log").read_text().count("sandbox on http") == 2

@@ -190,6 +190,7 @@ class EngineGroup:
         self._takes: dict = {}  # outstanding take -> engine index
         self._failed: list[int] = []  # found dead, not yet reported by failed()
         self._probes: dict[int, ray.ObjectRef] = {}  # dead engine -> a call that answers once it is back
+        self._gone: set[int] = set()  # dead engines Ray will not bring back
         self._last_stats: list[dict] = [{"busy_s": 0.0, "preemptions": 0} for _ in actors]
         self.calls = 0  # actor calls made while generating (adds and takes): what a batch costs in calls
         self.deaths = self.restarts = 0
@@ -258,18 +259,36 @@ class EngineGroup:
         ready, _ = ray.wait(list(self._takes), num_returns=len(self._takes), timeout=0)
         self._collect(ready)
 
+    def _probe(self, engine: int) -> ray.ObjectRef:
+        """A call that answers once the dead engine is back. Retried by Ray while the actor
+        restarts: without retries it fails at once, and the engine would be found back only a
+        push later."""
+        if engine not in self._probes:
+            self._probes[engine] = self.actors[engine].kv_tokens.options(max_task_retries=-1).remote()
+        return self._probes[engine]
+
+    def _dead(self) -> list[int]:
+        """Engines not serving that Ray may still bring back."""
+        return [e for e, serving in enumerate(self.serving) if not serving and e not in self._gone]
+
+    def any_back(self) -> bool:
+        """Whether a dead engine has answered its probe since (without waiting)."""
+        dead = self._dead()
+        return bool(dead) and bool(ray.wait([self._probe(e) for e in dead], num_returns=1, timeout=0)[0])
+
     def restarted(self) -> list[int]:
         """Dead engines that Ray has brought back since (without waiting for any)."""
         back = []
-        for engine in [e for e, serving in enumerate(self.serving) if not serving]:
-            probe = self._probes.setdefault(engine, self.actors[engine].kv_tokens.remote())
+        for engine in self._dead():
+            probe = self._probe(engine)
             if not ray.wait([probe], timeout=0)[0]:
                 continue
             del self._probes[engine]
             try:
                 self.kv_tokens[engine] = ray.get(probe)
             except ACTOR_GONE:
-                continue  # still restarting, or gone for good: asked again next time
+                self._gone.add(engine)  # a probe Ray retried failed: its restarts are used up
+                continue
             back.append(engine)
         return back
 

@@ -260,6 +260,8 @@ class _Batch:
         """Engine `engine` died: the rollouts it held go back to the scheduler, to continue on
         another engine from their last finished turn (the turn in flight is generated again)."""
         self.times.engine_deaths += 1
+        if self.engines.serving[engine]:
+            return  # found dead between batches, and back (with the weights) before this one began
         for index in self.scheduler.drop_engine(engine):
             if self.engine_of.pop(index, None) is not None:  # started there (not just dealt to it)
                 self.times.requeued_rollouts += 1

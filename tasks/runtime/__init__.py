@@ -137,6 +137,15 @@ class Runtime:
         self.trainer.load_checkpoint(directory, tag=tag, weights_only=weights_only)
         self.weight_sync.push()
 
+    def rejoin_restarted(self) -> int:
+        """Engines Ray has brought back since the last push get the trainer's weights now and
+        serve again, without waiting for the next update's push; returns how many rejoined."""
+        if not self.engines.any_back():
+            return 0
+        before = self.engines.restarts
+        self.weight_sync.push()
+        return self.engines.restarts - before
+
     def sync_weights(self, probe: list[Sample]) -> float | None:
         """Push the trainer's weights into the running engines (no restart), then compare the
         two views of the policy on the probe samples: the worst per-token log-prob gap over the
