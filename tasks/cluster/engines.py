@@ -304,31 +304,27 @@ class EngineGroup:
     def live(self) -> list:
         return [actor for actor, serving in zip(self.actors, self.serving) if serving]
 
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[list[float]]]:
-        """Each serving engine's log-probs of the sequences: one list per engine (an engine found
-        dead meanwhile is dropped)."""
-        asked = {
-            engine: actor.prompt_logprobs.remote(sequences)
-            for engine, actor in enumerate(self.actors)
-            if self.serving[engine]
-        }
-        views = []
+    def _ask_serving(self, method: str, *args) -> dict[int, object]:
+        """Every serving engine's answer to `method`, by engine; one found dead meanwhile is
+        dropped (lost) instead of failing the call."""
+        asked = {e: getattr(a, method).remote(*args) for e, a in enumerate(self.actors) if self.serving[e]}
+        answers = {}
         for engine, ref in asked.items():
             try:
-                views.append(ray.get(ref))
+                answers[engine] = ray.get(ref)
             except ACTOR_GONE as gone:
                 self.lose(engine, gone)
-        return views
+        return answers
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[list[float]]]:
+        """Each serving engine's log-probs of the sequences: one list per engine."""
+        return list(self._ask_serving("prompt_logprobs", sequences).values())
 
     def stats(self) -> list[dict]:
         """Per engine: seconds spent generating, preemptions so far, its threads and cores (the
         last known for an engine that is not serving)."""
-        asked = {engine: actor.stats.remote() for engine, actor in enumerate(self.actors) if self.serving[engine]}
-        for engine, ref in asked.items():
-            try:
-                self._last_stats[engine] = ray.get(ref)
-            except ACTOR_GONE as gone:
-                self.lose(engine, gone)
+        for engine, stats in self._ask_serving("stats").items():
+            self._last_stats[engine] = stats
         return list(self._last_stats)
 
     def load_from_dir(self, model_dir: Path, timeout_s: float) -> None:
