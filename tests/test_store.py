@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 from tasks.config import default_config_path, load_config
-from tasks.store.run_folder import PLACEMENT, open_run
+from tasks.store.run_folder import PLACEMENT, checkpoint_tag, open_run, prune_checkpoints, universal_copy
 from tasks.store.tables import PROBLEMS, STEPS, read_table, step_part, write_json, write_table, write_text
 from tasks.summary.run_card import Stopwatch
 
@@ -96,3 +96,12 @@ def test_every_placement_field_is_a_field_of_the_config():
         for key in path.split("."):
             assert key in node, path
             node = node[key]
+
+
+def test_pruning_keeps_the_newest_checkpoints_and_drops_their_universal_copies_with_them(tmp_path):
+    for step in range(4):
+        (tmp_path / checkpoint_tag(step)).mkdir()
+    universal_copy(tmp_path, checkpoint_tag(1)).mkdir()
+    universal_copy(tmp_path, checkpoint_tag(3)).mkdir()
+    prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00002", "step-00003", "step-00003-universal"]

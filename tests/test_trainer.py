@@ -165,3 +165,65 @@ def test_exact_match_is_what_greedy_decoding_reproduces_and_ends_a_phase_early(t
     assert out[0].tolist() == sequence.token_ids
     wrong = Sample(sequence.token_ids[:4] + [40] * 8, [0] * 4 + [1] * 8)
     assert trainer.exact_match([sequence, wrong]) == 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_a_checkpoint_resumes_on_another_number_of_ranks_with_its_optimizer_state(trainer, tmp_path, zero_stage):
+    """Through the run's lifecycle object and its rank actors: saved by 2 ranks, resumed by 1,
+    saved again, resumed by 2. Each resumed step gives the weights the unbroken run has after
+    that step; a fresh optimizer on the same weights does not (the ZeRO state came across)."""
+    from tasks.config import default_config_path, load_config
+    from tasks.runtime import Runtime
+    from tasks.store.run_folder import universal_copy
+
+    model_dir = trainer.save_pretrained(tmp_path / "policy")
+    AutoTokenizer.from_pretrained(trainer.engine.module.config._name_or_path).save_pretrained(model_dir)
+
+    def runtime(ranks: int) -> Runtime:
+        overrides = {
+            "model.path": str(model_dir),
+            "rl.optim": {"lr": 1e-2, "warmup_steps": 3, "micro_batch_size": 1},  # the lr moves each step
+            "trainer.ranks": ranks,
+            "trainer.cpus": 0.5,
+            "trainer.zero_stage": zero_stage,
+            "engines.kv_cache_gib": 0.01,
+            "cluster.startup_timeout_s": 180,
+        }
+        return Runtime(load_config(default_config_path(), overrides), model_dir, tmp_path / "run")
+
+    def step(group) -> tuple[dict, float]:
+        metrics = group.rl_step(samples, LossConfig())
+        return group.parameters()[0], metrics["lr"]
+
+    def gap(a: dict, b: dict) -> float:
+        return max((a[name].float() - b[name].float()).abs().max().item() for name in a)
+
+    samples, checkpoints = _samples([1.0, -1.0, 0.5, -0.5]), tmp_path / "checkpoints"
+    with runtime(2) as two:
+        group = two.policy_trainer(total_steps=6, reset_optimizer=False)
+        _, lr_1 = step(group)
+        group.save_checkpoint(checkpoints, "step-00001")
+        after_2, lr_2 = step(group)
+    with runtime(1) as one:
+        group = one.policy_trainer(total_steps=6, reset_optimizer=False)
+        one.restore(checkpoints, "step-00001")
+        resumed_2, resumed_lr_2 = step(group)
+        group.save_checkpoint(checkpoints, "step-00002")
+        after_3, lr_3 = step(group)
+    assert universal_copy(checkpoints, "step-00001").is_dir()
+    assert gap(resumed_2, after_2) < 1e-5 and resumed_lr_2 == pytest.approx(lr_2)
+    with runtime(2) as two:
+        group = two.policy_trainer(total_steps=6, reset_optimizer=False)
+        two.restore(checkpoints, "step-00002")
+        resumed_3, resumed_lr_3 = step(group)
+        # A stage that resets the optimizer: the checkpoint's weights, a fresh Adam and warm-up.
+        group = two.policy_trainer(total_steps=6, reset_optimizer=True)
+        two.restore(checkpoints, weights_only=True)
+        reset_weights = group.parameters()[0]
+        reset_3, reset_lr = step(group)
+    gaps = gap(resumed_2, after_2), gap(resumed_3, after_3), gap(reset_3, after_3)
+    print(f"ZeRO-{zero_stage} weight gaps: resumed 2->1 ranks {gaps[0]:.1e}, 1->2 {gaps[1]:.1e}; reset {gaps[2]:.1e}")
+    assert gaps[1] < 1e-5 and resumed_lr_3 == pytest.approx(lr_3)
+    assert gap(reset_weights, resumed_2) < 1e-6
+    assert gaps[2] > 1e-3 and reset_lr == pytest.approx(lr_1)

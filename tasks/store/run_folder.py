@@ -16,6 +16,7 @@ what this module decided (tasks/tracking/mlflow_log.py).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 import uuid
@@ -138,10 +139,20 @@ def checkpoint_tag(step: int) -> str:
     return f"step-{step:05d}"
 
 
+def universal_copy(directory: Path, tag: str) -> Path:
+    """Where checkpoint `tag` is kept in DeepSpeed's universal format, once a resume on another
+    number of ranks has converted it (tasks/train/trainer.py)."""
+    return directory / f"{tag}-universal"
+
+
 def prune_checkpoints(directory: Path, keep: int) -> None:
-    """Remove all but the newest `keep` step checkpoints, so a long run does not fill the disk."""
-    for old in sorted(directory.glob("step-*"))[:-keep]:
-        shutil.rmtree(old)
+    """Remove all but the newest `keep` step checkpoints, so a long run does not fill the disk,
+    each with its universal copy (made when a resume ran on another number of ranks)."""
+    tags = sorted(p.name for p in directory.glob("step-*") if re.fullmatch(r"step-\d+", p.name))
+    for tag in tags[:-keep]:
+        universal = universal_copy(directory, tag)
+        for folder in (directory / tag, universal, universal.with_suffix(".tmp")):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def start_from_run(source: Path, target: Path, cfg: RunConfig, upto: str = "sft") -> None:
