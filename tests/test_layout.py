@@ -94,7 +94,7 @@ def test_the_library_stays_usable_without_prefect():
     "package, home",
     [
         ("mlflow", "tasks/tracking/"),
-        ("deepspeed", "tasks/train/trainer.py"),
+        ("deepspeed", "tasks/train/"),
         ("vllm", "tasks/rollout/engine.py"),
         ("ray", "tasks/cluster/"),
     ],

@@ -8,13 +8,9 @@ with no code change.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
 import logging
 import math
 import os
-import shutil
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +22,7 @@ from tasks.config import LossConfig, OptimConfig
 from tasks.records import Sample
 from tasks.rl.loss import ppo_clip_loss, sft_loss, token_logprobs
 from tasks.store.run_folder import universal_copy
+from tasks.train.checkpoints import checkpoint_ranks, to_universal
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -68,12 +65,6 @@ def init_distributed() -> None:
         # process, e.g. the next run of an ablation, creates new ones): drop those references.
         groups._release_process_group_references(None)
     deepspeed.init_distributed()
-
-
-def checkpoint_ranks(folder: Path) -> int | None:
-    """How many data-parallel ranks saved a DeepSpeed checkpoint folder: one optimizer-state
-    file each under ZeRO; None without ZeRO (one file any number of ranks loads) or no folder."""
-    return len(list(folder.glob("*_optim_states.pt"))) or None
 
 
 def deepspeed_config(optim: OptimConfig, bf16: bool, zero_stage: int) -> dict:
@@ -357,7 +348,11 @@ class Trainer:
         saved_by = checkpoint_ranks(directory / tag) if tag else None
         universal = saved_by is not None and saved_by != self.engine.dp_world_size
         if universal:
-            directory = self._universal_copy(directory, tag)
+            if self.engine.global_rank == 0:
+                to_universal(directory, tag)
+            if self.engine.dp_world_size > 1:
+                torch.distributed.barrier()  # every rank loads once rank 0 has converted it
+            directory = universal_copy(directory, tag)
         # Read at load time only (DeepSpeed's `checkpoint.load_universal`): set per load, so a
         # trainer loads its own ranks' checkpoints as they are and converts only when it must.
         self.engine._config.load_universal_checkpoint = universal
@@ -378,33 +373,6 @@ class Trainer:
         if universal and weights_only:
             self.engine.optimizer.optimizer.state.clear()  # Adam starts from no state, as when fresh
         return client_state or {}
-
-    def _universal_copy(self, directory: Path, tag: str) -> Path:
-        """The checkpoint `tag` in DeepSpeed's universal format (each parameter's weights and
-        optimizer state whole, for any number of ranks), converted once by rank 0 next to it;
-        returns the folder to load from. Every rank waits for the conversion."""
-        target = universal_copy(directory, tag)
-        if self.engine.global_rank == 0 and not target.exists():
-            from deepspeed.checkpoint import ds_to_universal
-
-            staging = target.with_suffix(".tmp")
-            shutil.rmtree(staging, ignore_errors=True)
-            # inject_missing_state: our checkpoints carry no model-specific conversion info (none is
-            # needed without tensor or pipeline parallelism), only DeepSpeed's format version.
-            options = dict(num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True)
-            with contextlib.redirect_stdout(io.StringIO()):  # its per-phase prints, not ours
-                ds_to_universal.main(
-                    argparse.Namespace(
-                        input_folder=str(directory / tag),
-                        output_folder=str(staging / tag),
-                        inject_missing_state=True,
-                        **options,
-                    )
-                )
-            staging.rename(target)
-        if self.engine.dp_world_size > 1:
-            torch.distributed.barrier()
-        return target
 
     def save_pretrained(self, directory: Path) -> Path:
         """A Hugging Face directory of the current weights (consolidated under ZeRO-3), written
