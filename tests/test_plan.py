@@ -12,18 +12,16 @@ from pathlib import Path
 import pytest
 
 from flows.cli import main
-from tasks.cluster.plan import (
+from tasks.cluster.memory import (
     GIB,
-    Node,
-    PlanError,
-    build_plan,
+    ModelShape,
+    activation_memory,
     count_parameters,
-    format_plan,
+    layer_elements,
     model_shape,
-    parse_resources,
-    resources_from_ray_nodes,
     trainer_memory,
 )
+from tasks.cluster.plan import Node, PlanError, build_plan, format_plan, parse_resources, resources_from_ray_nodes
 from tasks.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,10 +53,17 @@ def refusal(spec: str, config: str = "tiny.yaml", **overrides) -> str:
     return str(exc.value)
 
 
+# A bf16 model of 2**30 parameters and 28,672 more (norms): its model states are round counts of
+# GiB to 4 digits. Embeddings 2 x 32768 x 4096 = 2**28; a layer's attention 4096 x 128 x 128 = 2**26,
+# its MLP 3 x 4096 x 16384 = 3 x 2**26.
+ROUND = {"hidden_size": 4096, "num_hidden_layers": 3, "num_attention_heads": 32, "num_key_value_heads": 32,
+         "head_dim": 128, "intermediate_size": 16384, "vocab_size": 32768}  # fmt: skip
+SHORT = {"rl.optim.micro_batch_size": 1, "sft.optim.micro_batch_size": 1}  # 1024-token micro-batches
+
+
 def gpu(**fields) -> dict:
-    """Overrides for a bf16 model of exactly 2**30 parameters (not readable: parameters_b), so
-    every number below is a round count of GiB."""
-    return {"model.path": "/nonexistent", "model.parameters_b": GIB / 1e9, "model.dtype": "bfloat16", **fields}
+    """Overrides for the ROUND model, not readable (model.shape), short micro-batches."""
+    return {"model.path": "/nonexistent", "model.shape": ROUND, "model.dtype": "bfloat16", **SHORT, **fields}
 
 
 def split(ranks=4, engines=2, tp=2, **fields) -> dict:
@@ -111,7 +116,7 @@ def test_parameters_counted_from_a_config_json(tmp_path):
     # and a final norm of 5120.
     assert count_parameters(QWEN3_14B) == 1_555_824_640 + 40 * 330_311_680 + 5120  # 14.77B: "14.8B"
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_14B))
-    cfg = load_config(CONFIGS / "tiny.yaml", {"model.path": str(tmp_path), "model.parameters_b": 1.0})
+    cfg = load_config(CONFIGS / "tiny.yaml", {"model.path": str(tmp_path), "model.shape": ROUND})
     shape = model_shape(cfg)
     assert (shape.params, shape.heads) == (count_parameters(QWEN3_14B), 40)  # config.json wins
 
@@ -122,26 +127,83 @@ def test_the_tiny_model_is_counted_from_its_fields():
 
 
 def test_mixed_precision_adam_partitioned_by_zero_stage():
-    assert trainer_memory(GIB, "bfloat16", 0, 4) == {"weights": 2, "grads": 2, "optimizer": 12}
-    assert trainer_memory(GIB, "bfloat16", 1, 4) == {"weights": 2, "grads": 2, "optimizer": 3}
-    assert trainer_memory(GIB, "bfloat16", 2, 4) == {"weights": 2, "grads": 0.5, "optimizer": 3}
-    assert trainer_memory(GIB, "bfloat16", 3, 4) == {"weights": 0.5, "grads": 0.5, "optimizer": 3}
+    # 16-bit weights 2, gradients 2 + their fp32 copy 4, optimizer 12 (master weights, m, v).
+    assert trainer_memory(GIB, "bfloat16", 0, 4) == {"weights": 2, "grads": 6, "optimizer": 12}
+    assert trainer_memory(GIB, "bfloat16", 1, 4) == {"weights": 2, "grads": 3, "optimizer": 3}
+    assert trainer_memory(GIB, "bfloat16", 2, 4) == {"weights": 2, "grads": 1.5, "optimizer": 3}
+    assert trainer_memory(GIB, "bfloat16", 3, 4) == {"weights": 0.5, "grads": 1.5, "optimizer": 3}
     assert trainer_memory(GIB, "float32", 0, 1) == {"weights": 4, "grads": 4, "optimizer": 8}
+    assert trainer_memory(GIB, "float32", 2, 1) == {"weights": 4, "grads": 4, "optimizer": 12}
+
+
+@pytest.mark.parametrize("ranks", [8, 64])
+def test_model_states_agree_with_deepspeeds_own_estimators(ranks):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    shape = ModelShape(QWEN3_14B, "test")
+    nodes = {"num_gpus_per_node": 8, "num_nodes": ranks // 8, "cpu_offload": False}
+    _, zero2 = estimate_zero2_model_states_mem_needs(shape.params, **nodes)
+    assert sum(trainer_memory(shape.params, "bfloat16", 2, ranks).values()) == pytest.approx(zero2 / GIB, rel=1e-6)
+    _, zero3, largest = estimate_zero3_model_states_mem_needs(shape.params, shape.largest_layer, **nodes)
+    assert largest == 4 * shape.largest_layer  # the embedding, 151936 x 5120, gathered in 16 bits with its gradient
+    ours = sum(trainer_memory(shape.params, "bfloat16", 3, ranks).values()) + largest / GIB
+    # DeepSpeed's ZeRO-3 count leaves out the rank's share of the 16-bit weights (2 bytes each).
+    assert ours == pytest.approx(zero3 / GIB + 2 * shape.params / ranks / GIB, rel=1e-6)
+
+
+def test_activations_by_hand_and_with_gradient_checkpointing():
+    tiny = ModelShape({"hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                       "head_dim": 4, "intermediate_size": 16, "vocab_size": 10}, "test")  # fmt: skip
+    # Per token and layer: 4 x 8 norms + 9 x 8 queries + 6 x 4 keys and values + 4 x 16 MLP = 192.
+    assert layer_elements(tiny) == 192
+    full = activation_memory(tiny, 1000, "float32", checkpointing=False)
+    assert full["activations"] * GIB == pytest.approx(1.25 * 192 * 4 * 1000 * 2)
+    assert full["logits"] * GIB == pytest.approx(4.4 * 4 * 10 * 1000)  # fp32 log-softmax copies
+    kept = activation_memory(tiny, 1000, "float32", checkpointing=True)
+    # Each layer's 6 kept hidden-wide tensors, and one layer's whole activations while recomputed.
+    assert kept["activations"] * GIB == pytest.approx(2 * 6 * 8 * 4 * 1000 + 1.25 * 192 * 4 * 1000)
+    bf16 = activation_memory(tiny, 1000, "bfloat16", checkpointing=False)
+    assert bf16["activations"] == pytest.approx(full["activations"] / 2) and bf16["logits"] > full["logits"]
 
 
 def test_split_plan_memory_per_gpu_by_hand():
     p = plan("1x8x80", **split(**{"trainer.zero_stage": 2, "engines.kv_cache_gib": 10}))
-    # A rank: 2 GiB bf16 weights, 2/4 gradients, 12/4 optimizer. An engine's GPU: 2/2 + 10 KV.
-    assert p.loads == {
-        "trainer": {"weights": 2, "grads": 0.5, "optimizer": 3},
-        "engine": {"engine weights": 1, "kv cache": 10},
-    }
+    # A rank: 2 GiB bf16 weights, 2/4 gradients + 4/4 their fp32 copy, 12/4 optimizer; then the
+    # activations of a 1024-token micro-batch. An engine's GPU: 2/2 weights + 10 KV + its pass.
+    trainer, engine = p.loads["trainer"], p.loads["engine"]
+    assert {k: round(v, 3) for k, v in trainer.items() if k in ("weights", "grads", "optimizer")} == {
+        "weights": 2, "grads": 1.5, "optimizer": 3,
+    }  # fmt: skip
+    assert trainer["activations"] == pytest.approx(
+        activation_memory(ModelShape(ROUND, ""), 1024, "bfloat16", False)["activations"]
+    )
+    assert round(engine["engine weights"], 3) == 1 and engine["kv cache"] == 10 and "engine activations" in engine
     assert [(a.role, a.index, a.node, a.gpu_ids) for a in p.actors if a.role != "sandbox"] == [
         ("trainer", 0, 0, (0,)), ("trainer", 1, 0, (1,)), ("trainer", 2, 0, (2,)), ("trainer", 3, 0, (3,)),
         ("engine", 0, 0, (4, 5)), ("engine", 1, 0, (6, 7)),
     ]  # fmt: skip
     text = format_plan(p)
-    assert "trainer 0-3" in text and "engine 0-1" in text and "5.50" in text and "11.00" in text
+    assert "trainer 0-3" in text and "engine 0-1" in text and "activations" in text and "1024 tokens" in text
+
+
+def test_an_engine_is_held_to_the_share_of_its_gpu_vllm_may_take():
+    # TP-2 engines of a 14.8B model: 13.8 GiB of weights each + 64 KV fill 77.8 of 80 GiB, beyond
+    # the 68 that gpu_memory_utilization 0.85 leaves vLLM.
+    fields = split(ranks=8, **{"model.shape": QWEN3_14B, "engines.kv_cache_gib": 64, "trainer.zero_stage": 3})
+    message = refusal("2x8x80", **fields)
+    assert (
+        message.startswith("engines.kv_cache_gib: an engine needs ~") and "over the 68.0 GiB vLLM may take" in message
+    )
+
+
+def test_activations_that_do_not_fit_name_gradient_checkpointing():
+    long = gpu(**{"rl.optim.micro_batch_size": 64, "trainer.ranks": 8, "trainer.gpus": 1, "trainer.zero_stage": 3,
+                  "engines.count": 8, "engines.gpus": 1, "engines.kv_cache_gib": 1})  # fmt: skip
+    message = refusal("1x8x80", **long)
+    assert message.startswith("trainer.gradient_checkpointing: a trainer+engine GPU needs ~")
+    assert "activations" in message and message.endswith("GiB")
+    plan("1x8x80", **long, **{"trainer.gradient_checkpointing": True})  # fits with it
 
 
 # ---------------------------------------------------------------- placement
@@ -228,17 +290,17 @@ def test_split_engines_hold_their_tensor_parallel_gpus():
 
 
 def test_over_memory_names_the_biggest_lever():
-    paper = refusal("8x8x80+2x0:cpus=128,cpu_node=4", "qwen3-14b-paper.yaml")
-    assert paper.startswith("engines.kv_cache_gib: a trainer+engine GPU needs ~95.0 GiB")
-    assert paper.endswith("at most 49.0 GiB of KV cache fits")
-    # 40 GiB of bf16 weights unsharded (ZeRO-0) is 320 GiB a rank; ZeRO-3 is the lever.
-    big = split(ranks=4, **{"model.parameters_b": 20 * GIB / 1e9, "trainer.zero_stage": 0})
-    assert refusal("1x8x80", **big).startswith("trainer.zero_stage: a trainer GPU needs ~320.0 GiB")
+    fields = {"engines.kv_cache_gib": 30}  # within the engine's share of an 80 GiB GPU, not beside the trainer
+    paper = refusal("8x8x80+2x0:cpus=128,cpu_node=4", "qwen3-14b-paper.yaml", **fields)
+    assert paper.startswith("engines.kv_cache_gib: a trainer+engine GPU needs ~")
+    # 20 GiB of bf16 parameters unsharded (ZeRO-0) is 400 GiB of states a rank; ZeRO-3 is the lever.
+    big = split(ranks=4, **{"model.shape": {**ROUND, "num_hidden_layers": 79}, "trainer.zero_stage": 0})
+    assert refusal("1x8x80", **big).startswith("trainer.zero_stage: a trainer GPU needs ~4")
 
 
-def test_an_unreadable_model_without_parameters_b_is_refused():
-    message = refusal("1x8x80", **gpu(**{"model.parameters_b": None}))
-    assert message.startswith("model.parameters_b: /nonexistent/config.json is not readable")
+def test_an_unreadable_model_without_its_shape_is_refused():
+    message = refusal("1x8x80", **gpu(**{"model.shape": None}))
+    assert message.startswith("model.shape: /nonexistent/config.json is not readable")
 
 
 # ---------------------------------------------------------------- the shipped configs and the CLI
@@ -261,7 +323,7 @@ def test_cli_refusal_is_one_line_on_stderr_and_exit_2(capsys):
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1
     # Memory is checked before placement: the first thing to change is the KV cache, not CPU nodes.
-    assert captured.err.startswith("engines.kv_cache_gib: a trainer+engine GPU needs ~95.0 GiB")
+    assert captured.err.startswith("engines.kv_cache_gib: an engine needs ~94.9 GiB, over the 68.0 GiB vLLM may take")
 
 
 def test_cli_plans_this_machine_without_starting_ray_or_torch(monkeypatch):

@@ -108,6 +108,19 @@ def test_zero3_and_bf16_update_and_export_full_weights(trainer, zero_stage, dtyp
 
 
 @pytest.mark.slow
+def test_gradient_checkpointing_gives_the_same_update(trainer, tmp_path):
+    model_dir = trainer.save_pretrained(tmp_path / "policy")
+    optim = OptimConfig(lr=1e-2, warmup_steps=0, micro_batch_size=2)
+    samples = _samples([1.0, -1.0, 0.5])
+    after = []
+    for checkpointing in (False, True):
+        fresh = Trainer(model_dir, optim, total_steps=10, gradient_checkpointing=checkpointing)
+        fresh.rl_step(samples, LossConfig())
+        after.append(dict(fresh.named_weights()))
+    assert max((after[0][name] - after[1][name]).abs().max().item() for name in after[0]) < 1e-6
+
+
+@pytest.mark.slow
 def test_stage_boundary_reset_keeps_weights_and_drops_optimizer_state(trainer, tmp_path):
     """Through the run's lifecycle object and its trainer rank actor: a stage without a reset
     continues the optimizer (its warm-up goes on), a reset starts a fresh one from the current

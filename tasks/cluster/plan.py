@@ -6,32 +6,35 @@ a cluster described by a string ("8x8x80"), by `ray.nodes()` or by the CLI's loo
 Placement follows tasks/cluster/actors.py: ranks and engines packed in node order (rank 0 on node
 0), an engine's tensor-parallel group on one node, sandbox replicas spread over the nodes offering
 what they ask for; colocated on GPUs (trainer.gpus > 0), rank i and engine i share a GPU, half
-each. Memory per GPU counts weights, gradients, optimizer state and the engine's weights and KV
-cache, not activations, CUDA graphs or allocator slack: a plan that fits by a few GiB may not run.
+each. Memory per GPU counts a rank's model states (as DeepSpeed's own estimators do), ZeRO-3's
+gathered largest layer, the activations and logits of the largest micro-batch it trains on, and an
+engine's share as vLLM budgets it: weights, KV cache, the activations of its profiling pass and
+CUDA graphs, within gpu_memory_utilization of the GPU. The activation terms are calibrated against
+measured peaks of real trainer steps (bench/memory_bench.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import groupby
-from pathlib import Path
 
-from tasks.config import InputError, RunConfig
+from tasks.cluster.memory import (
+    ENGINE_PARTS,
+    ENGINE_PROFILE_TOKENS,
+    GIB,
+    ModelShape,
+    PlanError,
+    activation_memory,
+    engine_memory,
+    model_shape,
+    trained_micro_batch,
+    trainer_memory,
+)
+from tasks.config import RunConfig
 
-GIB = 2**30
 DEFAULT_NODE_CPUS = 64  # a spec without cpus=: a typical 8-GPU node's logical CPUs
-DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
-# Bytes per parameter of (weights, gradients, optimizer state) under mixed-precision Adam: bf16
-# weights and gradients plus fp32 master weights, m and v (4 + 4 + 4); in float32 the weights
-# are the master copy, so the optimizer adds only m and v.
-TRAIN_BYTES = {"bfloat16": (2, 2, 12), "float32": (4, 4, 8)}
 _EPS = 1e-9  # fractional CPUs: 0.1 * 3 must still fit in 0.3
-
-
-class PlanError(InputError):
-    """A plan that cannot fit; the message is one line naming the config field to change."""
 
 
 @dataclass(frozen=True)
@@ -103,79 +106,23 @@ def resources_from_ray_nodes(nodes: list[dict], gpu_memory_gib: float | None = N
     return Resources(tuple(out), source)
 
 
-# ---------------------------------------------------------------- the model's size
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    params: float
-    heads: int | None  # attention heads; None: unknown, tensor parallelism not checked against them
-    source: str
-
-
-def count_parameters(hf: dict) -> int:
-    """A Llama/Qwen-style decoder from its config.json fields: embeddings (and an untied head), per
-    layer q/k/v/o, a gated MLP and 2 norms; biases and q/k norms (under 0.1%) are left out."""
-    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-    kv_heads, head_dim = hf.get("num_key_value_heads") or heads, hf.get("head_dim") or hidden // heads
-    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * hf["intermediate_size"] + 2 * hidden
-    embeddings = hf["vocab_size"] * hidden * (1 if hf.get("tie_word_embeddings", False) else 2)
-    return embeddings + hf["num_hidden_layers"] * per_layer + hidden
-
-
-def read_model_config(path: str) -> dict | None:
-    """The model's config.json, or None where it is not readable (planning away from the cluster)."""
-    try:
-        return json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def model_shape(cfg: RunConfig) -> ModelShape:
-    """The parameter count: from model.path's config.json, the tiny model's fields, or model.parameters_b."""
-    model, t = cfg.model, cfg.model.tiny
-    if model.path is None:
-        hf, source = {"hidden_size": t.hidden_size, "num_attention_heads": t.num_heads, "vocab_size": t.vocab_size,
-                      "num_key_value_heads": t.num_kv_heads, "intermediate_size": t.intermediate_size,
-                      "num_hidden_layers": t.num_layers}, "model.tiny"  # fmt: skip
-    else:
-        hf, source = read_model_config(model.path) or {}, f"{model.path}/config.json"
-    try:
-        return ModelShape(count_parameters(hf), hf["num_attention_heads"], source)
-    except KeyError:  # not readable, or not a decoder config this formula knows
-        pass
-    if model.parameters_b is not None:
-        return ModelShape(model.parameters_b * 1e9, None, "model.parameters_b")
-    raise PlanError(f"model.parameters_b: {model.path}/config.json is not readable here; set it (billions)")
-
-
 # ---------------------------------------------------------------- memory per GPU
 
 
-def trainer_memory(params: float, dtype: str, zero_stage: int, ranks: int) -> dict[str, float]:
-    """GiB one rank holds: ZeRO-1 partitions the optimizer state over the ranks, ZeRO-2 also the
-    gradients, ZeRO-3 also the weights."""
-    weights, grads, optim = (b * params / GIB for b in TRAIN_BYTES[dtype])
-    return {
-        "weights": weights / ranks if zero_stage >= 3 else weights,
-        "grads": grads / ranks if zero_stage >= 2 else grads,
-        "optimizer": optim / ranks if zero_stage >= 1 else optim,
-    }
-
-
-def _gpu_loads(cfg: RunConfig, params: float, colocated: bool) -> dict[str, dict[str, float]]:
-    """What each kind of GPU the plan uses holds: kind -> part -> GiB. An engine's GPU holds its
-    share of the weights and the KV cache, which vLLM sizes per GPU (kv_cache_memory_bytes)."""
-    dtype = cfg.model.dtype
-    trainer = trainer_memory(params, dtype, cfg.trainer.zero_stage, cfg.trainer.ranks)
-    engine_weights = DTYPE_BYTES[dtype] * params / cfg.engines.tensor_parallel_size / GIB
-    engine = {"engine weights": engine_weights, "kv cache": cfg.engines.kv_cache_gib}
+def _gpu_loads(cfg: RunConfig, shape: ModelShape, colocated: bool) -> dict[str, dict[str, float]]:
+    """What each kind of GPU the plan uses holds: kind -> part -> GiB."""
+    dtype, role = cfg.model.dtype, cfg.trainer
+    trainer = trainer_memory(shape.params, dtype, role.zero_stage, role.ranks)
+    if role.zero_stage == 3:  # its 16-bit weights and gradients whole while it runs (as DeepSpeed counts)
+        trainer["gathered layer"] = 4 * shape.largest_layer / GIB
+    trainer |= activation_memory(shape, trained_micro_batch(cfg)[1], dtype, role.gradient_checkpointing)
+    engine = engine_memory(cfg, shape)
     if colocated:
         return {"trainer+engine": trainer | engine}
     return ({"trainer": trainer} if cfg.trainer.gpus else {}) | ({"engine": engine} if cfg.engines.gpus else {})
 
 
-def _biggest_lever(cfg: RunConfig, params: float, parts: dict[str, float], over: float) -> tuple[str, str]:
+def _biggest_lever(cfg: RunConfig, shape: ModelShape, parts: dict[str, float], over: float) -> tuple[str, str]:
     """The one field whose change frees the most memory on this GPU, and what to set it to."""
     levers = []
     if "kv cache" in parts:
@@ -188,9 +135,15 @@ def _biggest_lever(cfg: RunConfig, params: float, parts: dict[str, float], over:
             ("trainer.zero_stage", 3, ranks, "ZeRO-3"),
             ("trainer.ranks", stage, 2 * ranks, f"{2 * ranks} ranks"),
         ):
-            after = trainer_memory(params, cfg.model.dtype, stage_to, ranks_to)
+            after = trainer_memory(shape.params, cfg.model.dtype, stage_to, ranks_to)
             saved = sum(parts[p] - after[p] for p in after)
+            if stage < 3 == stage_to:  # ZeRO-3 gathers its largest layer whole
+                saved -= 4 * shape.largest_layer / GIB
             levers.append((saved, name, f"{change} would free {saved:.1f} GiB"))
+        if not cfg.trainer.gradient_checkpointing:
+            after = activation_memory(shape, trained_micro_batch(cfg)[1], cfg.model.dtype, checkpointing=True)
+            saved = parts["activations"] - after["activations"]
+            levers.append((saved, "trainer.gradient_checkpointing", f"true would free {saved:.1f} GiB"))
     if "engine weights" in parts and cfg.cluster.placement == "split":
         saved = parts["engine weights"] / 2
         levers.append((saved, "engines.tensor_parallel_size", f"{2 * tp} would free {saved:.1f} GiB"))
@@ -198,16 +151,27 @@ def _biggest_lever(cfg: RunConfig, params: float, parts: dict[str, float], over:
     return name, advice
 
 
-def _check_memory(cfg: RunConfig, params: float, loads: dict, resources: Resources) -> None:
+def _check_memory(cfg: RunConfig, shape: ModelShape, loads: dict, resources: Resources) -> None:
+    """Every GPU within its memory, and an engine within the share vLLM may take of it."""
     capacity = resources.gpu_memory_gib
+    if not capacity:
+        return
+    share = cfg.engines.gpu_memory_utilization * capacity
     for kind, parts in loads.items():
-        total = sum(parts.values())
-        if capacity and total > capacity:
-            name, advice = _biggest_lever(cfg, params, parts, total - capacity)
-            breakdown = " + ".join(f"{gib:.1f} {part}" for part, gib in parts.items())
+        breakdown = " + ".join(f"{gib:.1f} {part}" for part, gib in parts.items())
+        engine = sum(gib for part, gib in parts.items() if part in ENGINE_PARTS)
+        if "engine" in kind and engine > share:
+            keep = parts["kv cache"] - (engine - share)
+            advice = f"at most {keep:.1f} GiB of KV cache fits" if keep > 0 else "no KV cache fits"
             raise PlanError(
-                f"{name}: a {kind} GPU needs ~{total:.1f} GiB ({breakdown}; activations not counted), "
-                f"over its {capacity:g} GiB; {advice}"
+                f"engines.kv_cache_gib: an engine needs ~{engine:.1f} GiB, over the {share:.1f} GiB vLLM may take "
+                f"(engines.gpu_memory_utilization {cfg.engines.gpu_memory_utilization:g} of {capacity:g}); {advice}"
+            )
+        total = sum(parts.values())
+        if total > capacity:
+            name, advice = _biggest_lever(cfg, shape, parts, total - capacity)
+            raise PlanError(
+                f"{name}: a {kind} GPU needs ~{total:.1f} GiB ({breakdown}), over its {capacity:g} GiB; {advice}"
             )
 
 
@@ -231,6 +195,7 @@ class Plan:
     loads: dict[str, dict[str, float]]  # kind of GPU -> part -> GiB
     resources: Resources
     summary: str
+    notes: tuple[str, ...] = ()  # what the memory estimate assumed
 
 
 ROLES = ("trainer", "engine", "sandbox")
@@ -321,8 +286,8 @@ def build_plan(cfg: RunConfig, resources: Resources) -> Plan:
     colocated = c.placement == "colocated" and cfg.trainer.gpus > 0  # as tasks/cluster/actors.py decides
     shape = model_shape(cfg)
     _check_shape(cfg, shape, colocated)
-    loads = _gpu_loads(cfg, shape.params, colocated)
-    _check_memory(cfg, shape.params, loads, resources)
+    loads = _gpu_loads(cfg, shape, colocated)
+    _check_memory(cfg, shape, loads, resources)
     if colocated:  # one bundle per GPU: a rank and its engine, their CPUs and resources together
         both = dict(Counter(cfg.trainer.resources) + Counter(cfg.engines.resources))
         roles = [_ask("trainer", "ranks", cfg.trainer.ranks, cfg.trainer.cpus + cfg.engines.cpus, 1, both)]
@@ -353,7 +318,15 @@ def build_plan(cfg: RunConfig, resources: Resources) -> Plan:
         f"{c.placement if loads else 'CPUs only'}: trainer ranks {cfg.trainer.ranks} (ZeRO-{cfg.trainer.zero_stage}), "
         f"engines {cfg.engines.count} (TP {cfg.engines.tensor_parallel_size}), sandbox replicas {cfg.sandbox.replicas}"
     )
-    return Plan(tuple(actors), loads, resources, summary)
+    phase, tokens = trained_micro_batch(cfg)
+    checkpointing = "on" if cfg.trainer.gradient_checkpointing else "off"
+    notes = (
+        f"activations, logits: the largest micro-batch trained, {phase}'s {tokens} tokens "
+        f"(trainer.gradient_checkpointing {checkpointing})",
+        f"an engine may take engines.gpu_memory_utilization {cfg.engines.gpu_memory_utilization:g} of its GPU; "
+        f"its activations: a {ENGINE_PROFILE_TOKENS}-token profiling pass",
+    )
+    return Plan(tuple(actors), loads, resources, summary, notes)
 
 
 # ---------------------------------------------------------------- the printed plan
@@ -387,12 +360,12 @@ def format_plan(plan: Plan) -> str:
     if not plan.loads:
         return "\n".join([*lines, "", "no GPUs: memory per GPU not estimated"])
     gib = plan.resources.gpu_memory_gib
-    capacity = f"{gib:g}" if gib else "unknown (not checked)"
-    parts = list(dict.fromkeys(part for load in plan.loads.values() for part in load))
-    rows = [["GPU holds", "GPUs", *parts, "total", "of GiB"]]
-    for kind, load in plan.loads.items():
-        cells = [f"{load[p]:.2f}" if p in load else "-" for p in parts]
-        gpus = len({(a.node, g) for a in plan.actors if a.role in kind for g in a.gpu_ids})
-        rows.append([kind, str(gpus), *cells, f"{sum(load.values()):.2f}", capacity])
-    lines += ["", "memory per GPU, GiB (weights, grads, optimizer: the trainer rank's share; activations not counted)"]
-    return "\n".join(lines + _table(rows))
+    kinds = list(plan.loads)
+    gpus = [len({(a.node, g) for a in plan.actors if a.role in kind for g in a.gpu_ids}) for kind in kinds]
+    rows = [["GiB per GPU", *(f"{kind} ({n} GPUs)" for kind, n in zip(kinds, gpus))]]
+    for part in dict.fromkeys(part for load in plan.loads.values() for part in load):
+        rows.append([part, *(f"{plan.loads[kind][part]:.2f}" if part in plan.loads[kind] else "-" for kind in kinds)])
+    rows.append(["total", *(f"{sum(plan.loads[kind].values()):.2f}" for kind in kinds)])
+    rows.append(["of", *([f"{gib:g}" if gib else "unknown (not checked)"] * len(kinds))])
+    lines += ["", "memory per GPU (a trainer rank's share of weights, grads and optimizer)"]
+    return "\n".join(lines + _table(rows) + [f"  {note}" for note in plan.notes])

@@ -50,6 +50,7 @@ class TrainerActor:
         seed: int,
         threads: int,
         zero_stage: int,
+        gradient_checkpointing: bool,
     ):
         os.environ.pop("RSTAR2_OWN_GROUP_PORT", None)  # values a launcher (this driver) chose
         os.environ.update(
@@ -63,7 +64,9 @@ class TrainerActor:
         )
         self.trainer = None  # the previous one's memory goes before the next one's arrives
         gc.collect()
-        self.trainer = Trainer(Path(model_dir), OptimConfig(**optim), total_steps, dtype, seed, threads, zero_stage)
+        self.trainer = Trainer(
+            Path(model_dir), OptimConfig(**optim), total_steps, dtype, seed, threads, zero_stage, gradient_checkpointing
+        )
 
     def rl_step(self, samples: list[Sample], loss: dict, temperature: float) -> tuple[dict, float]:
         return self.trainer.rl_step(samples, LossConfig(**loss), temperature), self.fingerprint()
@@ -178,7 +181,16 @@ class TrainerGroup:
         section)."""
         (master,) = self._get([self.actors[0].rendezvous.remote()])
         self._all(
-            "start", master, str(model_dir), optim.model_dump(), total_steps, dtype, seed, role.threads, role.zero_stage
+            "start",
+            master,
+            str(model_dir),
+            optim.model_dump(),
+            total_steps,
+            dtype,
+            seed,
+            role.threads,
+            role.zero_stage,
+            role.gradient_checkpointing,
         )
         return self
 

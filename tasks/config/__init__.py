@@ -329,6 +329,7 @@ MOVED = {
         "engines.load_timeout_s)"
     ),
     "cluster.ready_timeout_s": "cluster.startup_timeout_s",
+    "model.parameters_b": "model.shape (the model's config.json fields: hidden_size, num_hidden_layers, ...)",
 }
 
 

@@ -52,10 +52,24 @@ class TinyModelConfig(_Strict):
     pretrain_lr: float = Field(3e-4, gt=0)
 
 
+class ModelShapeConfig(_Strict):
+    """A decoder's shapes under their Hugging Face config.json names (Llama/Qwen style)."""
+
+    hidden_size: int = Field(ge=1)
+    num_hidden_layers: int = Field(ge=1)
+    num_attention_heads: int = Field(ge=1)
+    num_key_value_heads: int | None = Field(None, ge=1)  # None: as many as attention heads
+    head_dim: int | None = Field(None, ge=1)  # None: hidden_size / num_attention_heads
+    intermediate_size: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+    tie_word_embeddings: bool = False
+
+
 class ModelConfig(_Strict):
     path: str | None = None  # a Hugging Face model directory; None builds the tiny model
     tiny: TinyModelConfig = TinyModelConfig()
     dtype: Literal["float32", "bfloat16"] = "float32"
-    # Billions of parameters, for `rstar2 plan` where model.path is not readable (planning away
-    # from the cluster); the model's config.json wins where it is.
-    parameters_b: float | None = Field(None, gt=0)
+    # The model's config.json fields, for `rstar2 plan` where model.path is not readable (planning
+    # away from the cluster): its memory needs the shapes, not only a parameter count. The model's
+    # config.json wins where it is readable.
+    shape: ModelShapeConfig | None = None

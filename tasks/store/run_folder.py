@@ -33,7 +33,10 @@ from tasks.store.tables import step_part, write_json, write_text
 # resumed run may change (another cluster, fewer nodes after a loss, more ranks or engines).
 PLACEMENT = (
     "cluster",
-    *(f"trainer.{f}" for f in ("ranks", "cpus", "gpus", "resources", "threads", "call_timeout_s")),
+    *(
+        f"trainer.{f}"
+        for f in ("ranks", "cpus", "gpus", "resources", "threads", "call_timeout_s", "gradient_checkpointing")
+    ),
     *(f"engines.{f}" for f in ("count", "cpus", "gpus", "resources", "max_restarts", "threads", "load_timeout_s")),
     *(f"sandbox.{f}" for f in ("replicas", "cpus", "resources", "max_restarts", "urls", "workers", "outage_timeout_s")),
 )

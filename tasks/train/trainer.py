@@ -119,6 +119,7 @@ class Trainer:
         seed: int = 0,
         threads: int = 1,
         zero_stage: int = 2,
+        gradient_checkpointing: bool = False,
     ):
         import deepspeed
         from transformers import AutoModelForCausalLM
@@ -126,6 +127,9 @@ class Trainer:
         init_distributed()
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if gradient_checkpointing:
+            model.config.use_cache = False  # no KV cache while training; HF warns about it otherwise
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.optim, self.zero_stage = optim, zero_stage
         self.engine, _, _, _ = deepspeed.initialize(
             model=model,
