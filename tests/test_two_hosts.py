@@ -31,10 +31,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import alive, placed_pids, wait_busy, wait_for, wait_gone, wait_until
+from tests.processes import alive, placed_pids, wait_for, wait_gone, wait_until
 from tests.small_run import run_command, small_run, stage
 from tests.test_resume_pipeline import table_parts
-from tests.test_two_nodes import group_sizes, placed, step_metric
+from tests.test_two_nodes import group_sizes, kill_sandbox_and_engine, step_metric
 
 pytestmark = pytest.mark.slow  # starts engines or trains
 
@@ -182,15 +182,7 @@ def refused_without_credential(hosts: Hosts, run_dir: Path, marker: Path) -> int
 
 def kill_replica_and_engine(hosts: Hosts, run_dir: Path, marker: Path, log: list) -> None:
     log.append(("401", refused_without_credential(hosts, run_dir, marker)))
-    wait_for(run_dir / "state" / "eval-sft.json")  # the RL stage begins
-    replica = placed(run_dir, "sandbox", 0)
-    for pid in (replica["pid"], replica["server_pid"]):
-        os.kill(pid, signal.SIGKILL)
-    log.append("sandbox 0")
-    engine = placed(run_dir, "engine", 1)["pid"]
-    wait_busy(engine)
-    os.kill(engine, signal.SIGKILL)
-    log.append("engine 1")
+    kill_sandbox_and_engine(run_dir, random.Random("two-hosts"), log)
 
 
 @pytest.fixture(scope="module")
