@@ -1,7 +1,9 @@
 """Resume after a crash: SIGKILL the pipeline in the middle of an RL stage, run it again with the
 same run id, and compare with an uninterrupted run of the same config: the same (stage, step)
 parts of every table with the same row counts and no duplicate keys, and MLflow step histories
-with each step once. About 5 minutes on two cores (three small pipeline runs)."""
+with each step once. The killed attempt trains on 2 ranks and the resume on 1, as on a cluster
+that lost a node: the checkpoint's ZeRO state is re-partitioned. About 5 minutes on two cores
+(three small pipeline runs)."""
 
 import json
 import os
@@ -23,8 +25,12 @@ STAGES = [stage("stage1", 3), stage("hard", 1, hard_only=True, difficulty_attemp
 SMALL = small_run(STAGES)
 
 
-def command(output_dir: Path, run_id: str) -> list[str]:
-    return run_command(run_id, {**SMALL, "output_dir": str(output_dir)})
+# Two ranks and their engine and sandbox: 4 logical CPUs for the local Ray on 2 cores.
+TWO_RANKS = {"trainer.ranks": 2, "cluster.num_cpus": 4}
+
+
+def command(output_dir: Path, run_id: str, placement: dict | None = None) -> list[str]:
+    return run_command(run_id, {**SMALL, "output_dir": str(output_dir), **(placement or {})})
 
 
 def run(output_dir: Path, run_id: str, log: Path) -> None:
@@ -66,7 +72,7 @@ def test_a_killed_run_resumes_to_the_same_tables_as_an_uninterrupted_one(tmp_pat
     marker = output / "runs" / "resume" / "steps" / "stage=stage1" / "step=0" / "part-0.parquet"
     with log.open("wb") as out:
         victim = subprocess.Popen(
-            command(output, "resume"), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command(output, "resume", TWO_RANKS), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     deadline = time.monotonic() + 600
     while not marker.exists():
@@ -78,8 +84,12 @@ def test_a_killed_run_resumes_to_the_same_tables_as_an_uninterrupted_one(tmp_pat
     # Its local Ray shares the driver's fate: the actors, and the sandbox servers they started, go too.
     assert wait_gone(placed_pids(output / "runs" / "resume")) == []
     assert not (output / "runs" / "resume" / "state" / "rl-stage1.json").exists()  # killed mid-stage
-    run(output, "resume", log)
+    run(output, "resume", log)  # on 1 rank
+    assert "resuming with a new placement (cluster.num_cpus, trainer.ranks)" in log.read_text()
     assert "stage1: resuming at step 1 of 3" in log.read_text()
+    assert (
+        "checkpoint step-00000: saved by 2 ranks, loaded by 1 through DeepSpeed's universal format" in log.read_text()
+    )
 
     a, b = tmp_path / "a" / "runs" / "resume", output / "runs" / "resume"
     rollouts_a, rollouts_b = table_parts(a, "rollouts"), table_parts(b, "rollouts")

@@ -354,6 +354,10 @@ class Trainer:
         if universal:
             if self.engine.global_rank == 0:
                 to_universal(directory, tag)
+                print(
+                    f"checkpoint {tag}: saved by {saved_by} ranks, loaded by {self.engine.dp_world_size} "
+                    "through DeepSpeed's universal format"
+                )
             if self.engine.dp_world_size > 1:
                 torch.distributed.barrier()  # every rank loads once rank 0 has converted it
             directory = universal_copy(directory, tag)
