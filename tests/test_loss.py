@@ -33,8 +33,9 @@ def make_inputs(seed: int = 0, B: int = 6, T: int = 9):
     return logp, old_logp, advantages, mask
 
 
-def reference_loss_and_grad(logp, old_logp, advantages, mask, num_tokens=None):
-    """Elementwise float64 reference: loss, d loss / d logp, and clip counts."""
+def reference_loss_and_grad(logp, old_logp, advantages, mask, num_tokens=None, behaviour=None, cap=None):
+    """Elementwise float64 reference: loss, d loss / d logp, and clip counts; with `behaviour`
+    (the log-probs of the policy that drew each token) each token weighted by min(pi_old / mu, cap)."""
     B, T = logp.shape
     N = float(mask.sum()) if num_tokens is None else float(num_tokens)
     loss, grad = 0.0, np.zeros((B, T))
@@ -45,17 +46,18 @@ def reference_loss_and_grad(logp, old_logp, advantages, mask, num_tokens=None):
             if not mask[b, t]:
                 continue
             r = math.exp(logp[b, t] - old_logp[b, t])
+            w = 1.0 if behaviour is None else min(math.exp(old_logp[b, t] - behaviour[b, t]), cap)
             clipped = min(max(r, 1 - EPS_LOW), 1 + EPS_HIGH)
             value = max(-r * A, -clipped * A)  # = -min(rA, clip(r)A)
             if A < 0:
                 value = min(value, -DUAL * A)
-            loss += value / N
+            loss += w * value / N
             # the unclipped term r*A is the one in use (so the gradient flows) unless a clip binds
             low_binds = A < 0 and r < 1 - EPS_LOW
             high_binds = A > 0 and r > 1 + EPS_HIGH
             dual_binds = A < 0 and r > DUAL
             if not (low_binds or high_binds or dual_binds):
-                grad[b, t] = -r * A / N  # d(-r A)/d logp = -r A
+                grad[b, t] = -w * r * A / N  # d(-r A)/d logp = -r A; the weight is a constant
             low += low_binds
             high += high_binds
             dual += dual_binds
@@ -97,6 +99,47 @@ def test_ppo_clip_loss_matches_reference(seed, dtype, tol):
     assert metrics["clip_frac_low"] == pytest.approx(low / n)
     assert metrics["clip_frac_high"] == pytest.approx(high / n)
     assert metrics["dual_clip_frac"] == pytest.approx(dual / n)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_truncated_importance_weights_match_the_reference(seed, dtype, tol):
+    """Tokens drawn by a behaviour policy mu: log(pi_old / mu) over [-1.5, 1.5], so weights from
+    0.22 to 4.5, some above the cap of 2."""
+    logp_np, old_np, adv_np, mask_np = make_inputs(seed)
+    behaviour_np = old_np - np.random.default_rng(seed + 10).uniform(-1.5, 1.5, size=old_np.shape)
+    weights = np.exp(old_np - behaviour_np)
+    assert (mask_np & (weights > 2.0)).any() and (mask_np & (weights < 1.0)).any()
+    logp = torch.tensor(logp_np, dtype=dtype, requires_grad=True)
+    behaviour = torch.tensor(behaviour_np, dtype=dtype, requires_grad=True)
+    loss, metrics = ppo_clip_loss(
+        logp,
+        torch.tensor(old_np, dtype=dtype),
+        torch.tensor(adv_np, dtype=dtype),
+        torch.tensor(mask_np),
+        eps_low=EPS_LOW,
+        eps_high=EPS_HIGH,
+        dual_clip=DUAL,
+        behaviour_logp=behaviour,
+        is_cap=2.0,
+    )
+    loss.backward()
+    ref_loss, ref_grad, _ = reference_loss_and_grad(logp_np, old_np, adv_np, mask_np, behaviour=behaviour_np, cap=2.0)
+    assert loss.item() == pytest.approx(ref_loss, rel=tol, abs=tol)
+    np.testing.assert_allclose(logp.grad.double().numpy(), ref_grad, rtol=tol, atol=tol)
+    assert behaviour.grad is None  # the weight is a constant
+    n = mask_np.sum()
+    assert metrics["is_weight_mean"] == pytest.approx(np.minimum(weights, 2.0)[mask_np].sum() / n, rel=tol)
+    assert metrics["is_truncated_frac"] == pytest.approx((weights > 2.0)[mask_np].sum() / n)
+
+
+def test_a_behaviour_policy_equal_to_the_proximal_one_changes_nothing():
+    logp_np, old_np, adv_np, mask_np = make_inputs(5)
+    args = [torch.tensor(old_np), torch.tensor(adv_np), torch.tensor(mask_np)]
+    plain, _ = ppo_clip_loss(torch.tensor(logp_np), *args)
+    weighted, metrics = ppo_clip_loss(torch.tensor(logp_np), *args, behaviour_logp=torch.tensor(old_np))
+    assert weighted.item() == pytest.approx(plain.item(), rel=1e-12)
+    assert metrics["is_weight_mean"] == pytest.approx(1.0) and metrics["is_truncated_frac"] == 0.0
 
 
 def test_dual_clip_bounds_negative_advantage_loss():

@@ -41,6 +41,48 @@ def test_engine_log_probs_follow_the_trainer(model_dir, eager):
     engine.stop()
 
 
+def test_the_engines_sampling_log_probs_are_the_trainers_at_the_temperature(model_dir):
+    """What importance weighting reads as the behaviour policy: with the same weights, the
+    log-probs the engine sampled its tokens with are the trainer's at the sampling temperature,
+    so the weights min(pi_trainer / pi_engine, cap) are 1 up to kernel differences."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = tokenizer([p.question + "\n" for p in generate_problems(6, [1, 2], seed=4)])["input_ids"]
+    engine = Engine(model_dir, EnginesConfig(kv_cache_gib=0.05, max_model_len=256), seed=0).start()
+    for index, prompt in enumerate(prompts):
+        engine.add_request(str(index), prompt, max_tokens=24, temperature=0.7, top_p=1.0, stop_token_ids=[])
+    turns = []
+    while engine.has_unfinished():
+        turns += engine.step()
+    engine.stop()
+    trainer = Trainer(model_dir, OptimConfig(micro_batch_size=4), 10, zero_stage=1)
+    turns.sort(key=lambda turn: int(turn.request_id))
+    samples = [
+        Sample(prompt + turn.token_ids, [1] * (len(prompt) + len(turn.token_ids)))
+        for prompt, turn in zip(prompts, turns)
+    ]
+    trained = trainer.token_logprobs(samples, temperature=0.7)
+    gaps = [
+        abs(engine_lp - trainer_lp)
+        for prompt, turn, view in zip(prompts, turns, trained)
+        for engine_lp, trainer_lp in zip(turn.logprobs, view[len(prompt) - 1 :])
+    ]
+    assert all(len(turn.logprobs) == len(turn.token_ids) > 0 for turn in turns)
+    assert len(gaps) == sum(len(turn.token_ids) for turn in turns) and max(gaps) < TOLERANCE, max(gaps)
+    print(f"behaviour log-probs against the trainer's at temperature 0.7: max gap {max(gaps):.1e}, {len(gaps)} tokens")
+    # At temperature 1 the trainer's view differs: the engine's are the tempered ones.
+    untempered = trainer.token_logprobs(samples)
+    assert (
+        max(
+            abs(a - b)
+            for turn, view, prompt in zip(turns, untempered, prompts)
+            for a, b in zip(turn.logprobs, view[len(prompt) - 1 :])
+        )
+        > 10 * TOLERANCE
+    )
+
+
 @pytest.mark.parametrize("backend", ["gloo", "object_store"])
 def test_every_engine_actor_follows_the_trainer_rank(model_dir, tmp_path, backend):
     """Two engine actors and a trainer rank actor, started by the run's lifecycle object: a push

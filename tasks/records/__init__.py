@@ -78,6 +78,9 @@ class Sample:
     token_ids: list[int]
     loss_mask: list[int]  # per token of token_ids: 1 where the token is a training target
     advantage: float = 0.0
+    # per token of token_ids: log p under the policy that drew it (the engine's); None where the
+    # sample was not drawn by an engine (SFT, probes)
+    behaviour_logprobs: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -110,11 +113,13 @@ class Trajectory:
     turns: int = 0  # assistant turns
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
     stop_reason: str = ""  # answer | no_answer | max_turns | budget
+    behaviour_logprobs: list[float] = field(default_factory=list)  # per response token; 0 on tool tokens
 
-    def extend(self, ids: list[int], text: str, trainable: bool) -> None:
+    def extend(self, ids: list[int], text: str, trainable: bool, logprobs: list[float] | None = None) -> None:
         self.response_ids += ids
         self.loss_mask += [int(trainable)] * len(ids)
         self.response += text
+        self.behaviour_logprobs += logprobs if logprobs and len(logprobs) == len(ids) else [0.0] * len(ids)
 
 
 @dataclass

@@ -77,7 +77,12 @@ def select_training_batch(
             kept[index], advantages[index] = True, advantage
             traj = trajectories[index]
             samples.append(
-                Sample(traj.prompt_ids + traj.response_ids, [0] * len(traj.prompt_ids) + traj.loss_mask, advantage)
+                Sample(
+                    traj.prompt_ids + traj.response_ids,
+                    [0] * len(traj.prompt_ids) + traj.loss_mask,
+                    advantage,
+                    [0.0] * len(traj.prompt_ids) + traj.behaviour_logprobs,
+                )
             )
     return TrainingBatch(samples, kept, advantages, result)
 

@@ -11,7 +11,11 @@ The RL objective (rStar2-Agent, arXiv 2508.20722) departs from textbook GRPO in 
    the whole batch, not a per-sequence mean (long rollouts are not down-weighted).
 
 Tool-response tokens are removed by the mask, the same way as padding. Not from the paper:
-`negative_weight` (default 1, the paper's loss) scales the tokens of negative-advantage rollouts.
+`negative_weight` (default 1, the paper's loss) scales the tokens of negative-advantage rollouts,
+and tokens drawn by another policy than the update's starting one (the engine's: stale weights,
+or its own kernels) can be reweighted by truncated importance sampling, as in decoupled PPO
+(AReaL): the clipped ratio is taken against the proximal policy (the trainer's weights as the
+update starts), and each token is weighted by min(pi_prox / mu, is_cap), mu the behaviour policy.
 """
 
 import torch
@@ -46,6 +50,8 @@ def ppo_clip_loss(
     dual_clip: float = 3.0,
     num_tokens: int | None = None,
     negative_weight: float = 1.0,
+    behaviour_logp: Tensor | None = None,
+    is_cap: float = 2.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """Token-level PPO-clip loss with clip-higher and dual-clip, token-mean normalised.
 
@@ -54,7 +60,11 @@ def ppo_clip_loss(
         l     = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
         l     = min(l, -dual_clip * A)                     only when A < 0   (dual-clip)
         l     = negative_weight * l                        only when A < 0
+        l     = min(exp(old_logp - behaviour_logp), is_cap) * l    only with behaviour_logp
         loss  = sum_{masked tokens} l / num_tokens
+
+    old_logp is then the proximal policy's and behaviour_logp the policy that drew the token;
+    the weight is a constant (no gradient flows through it).
 
     For A < 0 the dual-clip bound -dual_clip * A = dual_clip * |A| > 0 binds once r > dual_clip,
     and the token then has zero gradient.
@@ -66,7 +76,8 @@ def ppo_clip_loss(
     Shapes: logp, old_logp, mask (B, T); advantages (B,) broadcast over tokens, or (B, T).
     Metrics (fractions of this call's masked tokens, where the clip is binding and so the
     gradient is zero): clip_frac_low (A < 0, r < 1 - eps_low), clip_frac_high (A > 0,
-    r > 1 + eps_high), dual_clip_frac (A < 0, r > dual_clip).
+    r > 1 + eps_high), dual_clip_frac (A < 0, r > dual_clip); with behaviour_logp also
+    is_weight_mean (the truncated weights' mean) and is_truncated_frac (weights over is_cap).
     """
     mask = mask.bool()
     if advantages.dim() == 1:
@@ -79,6 +90,9 @@ def ppo_clip_loss(
     per_token = torch.maximum(-ratio * advantages, -clipped_ratio * advantages)  # -min(rA, clip(r)A)
     negative = advantages < 0
     per_token = torch.where(negative, negative_weight * torch.minimum(per_token, -dual_clip * advantages), per_token)
+    if behaviour_logp is not None:
+        weight = torch.exp(old_logp - behaviour_logp.to(logp.dtype).detach())
+        per_token = per_token * weight.clamp(max=is_cap)
     # where() rather than a multiply: a padded position can hold inf/nan and 0 * inf = nan
     per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
     loss = per_token.sum() / _normaliser(mask, num_tokens)
@@ -94,6 +108,9 @@ def ppo_clip_loss(
             "clip_frac_high": high.sum().item() / count,
             "dual_clip_frac": dual.sum().item() / count,
         }
+        if behaviour_logp is not None:
+            metrics["is_weight_mean"] = weight.clamp(max=is_cap)[mask].sum().item() / count
+            metrics["is_truncated_frac"] = ((weight > is_cap) & mask).sum().item() / count
     return loss, metrics
 
 

@@ -55,15 +55,22 @@ def render_tool_result(result: ToolResult, max_chars: int) -> str:
 
 
 def end_turn(
-    traj: Trajectory, token_ids: list[int], text: str, finish_reason: str, spec: RolloutSpec, tool_call_close: int
+    traj: Trajectory,
+    token_ids: list[int],
+    text: str,
+    finish_reason: str,
+    spec: RolloutSpec,
+    tool_call_close: int,
+    logprobs: list[float] | None = None,
 ) -> ToolCall | ToolCallError | None:
-    """Record a finished assistant turn and say what comes next.
+    """Record a finished assistant turn (with the engine's log-probs of its tokens) and say what
+    comes next.
 
     Returns the tool call to run, the parse error to answer with, or None when the trajectory
     is over (its stop_reason then says why).
     """
     traj.turns += 1
-    traj.extend(token_ids, text, trainable=True)
+    traj.extend(token_ids, text, trainable=True, logprobs=logprobs)
     if not token_ids or token_ids[-1] != tool_call_close:
         if finish_reason == "length":
             traj.stop_reason = "budget"
@@ -230,7 +237,9 @@ class _Batch:
             self.generating.discard(index)
             traj = self.trajectories[index]
             text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=False)
-            action = end_turn(traj, turn.token_ids, text, turn.finish_reason, self.spec, self.tool_call_close)
+            action = end_turn(
+                traj, turn.token_ids, text, turn.finish_reason, self.spec, self.tool_call_close, turn.logprobs
+            )
             if action is None:
                 self.end_rollout(index)
             elif isinstance(action, ToolCallError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,6 +41,9 @@ class FinishedTurn:
     request_id: str
     token_ids: list[int]
     finish_reason: str  # "stop" (eos or stop token) or "length"
+    # log p of each token under the engine's policy as it sampled (temperature applied): the
+    # behaviour policy of importance-weighted updates (rl.loss.is_cap)
+    logprobs: list[float] = field(default_factory=list)
 
 
 class Engine:
@@ -72,6 +75,9 @@ class Engine:
             kv_cache_memory_bytes=int(self.cfg.kv_cache_gib * 2**30),
             gpu_memory_utilization=self.cfg.gpu_memory_utilization,
             disable_log_stats=False,
+            # Sampled tokens' log-probs after temperature, the distribution they were drawn from
+            # (the trainer's log-probs are taken at the same temperature).
+            logprobs_mode="processed_logprobs",
         )
         self._count_preemptions()
         return self
@@ -135,6 +141,7 @@ class Engine:
             stop_token_ids=stop_token_ids,
             detokenize=False,  # the agent loop decodes whole turns itself
             output_kind=RequestOutputKind.FINAL_ONLY,
+            logprobs=0,  # the sampled token's own
         )
         self._core.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), params)
 
@@ -149,7 +156,9 @@ class Engine:
         for output in outputs:
             if output.finished:
                 completion = output.outputs[0]
-                finished.append(FinishedTurn(output.request_id, list(completion.token_ids), completion.finish_reason))
+                tokens = list(completion.token_ids)
+                logprobs = [entry[token].logprob for entry, token in zip(completion.logprobs or [], tokens)]
+                finished.append(FinishedTurn(output.request_id, tokens, completion.finish_reason, logprobs))
         return finished
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:

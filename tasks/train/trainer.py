@@ -157,7 +157,8 @@ class Trainer:
     # -- batching ---------------------------------------------------------------------------
 
     def _micro_batches(self, samples: list[Sample]) -> Iterator[tuple[torch.Tensor, ...]]:
-        """(input_ids, attention_mask, target_mask, advantages), right-padded; targets shift by one."""
+        """(input_ids, attention_mask, target_mask, advantages, behaviour log-probs), right-padded;
+        targets (and the behaviour policy's log-probs of them) shift by one."""
         size = self.optim.micro_batch_size
         for start in range(0, len(samples), size):
             chunk = samples[start : start + size]
@@ -165,13 +166,16 @@ class Trainer:
             ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
             attention = torch.zeros((len(chunk), width), dtype=torch.long)
             target_mask = torch.zeros((len(chunk), width - 1), dtype=torch.float32)
+            behaviour = torch.zeros((len(chunk), width - 1), dtype=torch.float32)
             for row, sample in enumerate(chunk):
                 n = len(sample.token_ids)
                 ids[row, :n] = torch.tensor(sample.token_ids)
                 attention[row, :n] = 1
                 target_mask[row, : n - 1] = torch.tensor(sample.loss_mask[1:n], dtype=torch.float32)
+                if sample.behaviour_logprobs is not None:
+                    behaviour[row, : n - 1] = torch.tensor(sample.behaviour_logprobs[1:n], dtype=torch.float32)
             advantages = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
-            yield tuple(t.to(self.device) for t in (ids, attention, target_mask, advantages))
+            yield tuple(t.to(self.device) for t in (ids, attention, target_mask, advantages, behaviour))
 
     def _aligned(self, samples: list[Sample]) -> list[tuple[torch.Tensor, ...]]:
         """This rank's micro-batches, padded with empty ones (nothing to learn: no target token)
@@ -184,8 +188,8 @@ class Trainer:
         torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
         if not batches:  # a share with no sample at all
             batches = list(self._micro_batches([Sample([self.pad_id, self.pad_id], [0, 0])]))
-        ids, attention, target_mask, advantages = batches[-1]
-        empty = (ids, attention, torch.zeros_like(target_mask), torch.zeros_like(advantages))
+        ids, attention, target_mask, advantages, behaviour = batches[-1]
+        empty = (ids, attention, torch.zeros_like(target_mask), torch.zeros_like(advantages), behaviour)
         return batches + [empty] * (int(most.item()) - len(batches))
 
     def _global(self, metrics: dict, additive: tuple[str, ...]) -> dict:
@@ -237,7 +241,7 @@ class Trainer:
         self.engine.eval()
         exact = 0
         with self._threads():
-            for ids, attention, target_mask, _ in self._micro_batches(samples):
+            for ids, attention, target_mask, *_ in self._micro_batches(samples):
                 right = (self._logits(ids, attention).argmax(-1) == ids[:, 1:]) | (target_mask == 0)
                 exact += int(right.all(dim=1).sum())
         self.engine.train()
@@ -264,7 +268,7 @@ class Trainer:
         self._accumulate(len(batches))
         self.engine.train()
         total = 0.0
-        for ids, attention, target_mask, _ in self._stepped(batches):
+        for ids, attention, target_mask, *_ in self._stepped(batches):
             loss = sft_loss(self._logits(ids, attention), ids[:, 1:], target_mask, num_tokens=num_tokens)
             # Already normalised by the batch's tokens: no further division by micro-batches.
             self.engine.backward(loss * self._loss_scale(), scale_wrt_gas=False)
@@ -279,7 +283,10 @@ class Trainer:
         self.engine.train()
         metrics = {"loss": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "dual_clip_frac": 0.0}
         entropy_sum = 0.0
-        for ids, attention, target_mask, advantages in self._stepped(batches):
+        weighted = loss_cfg.is_cap is not None and all(s.behaviour_logprobs is not None for s in samples)
+        if weighted:
+            metrics |= {"is_weight_mean": 0.0, "is_truncated_frac": 0.0}
+        for ids, attention, target_mask, advantages, behaviour in self._stepped(batches):
             logits = self._logits(ids, attention) / temperature
             logp = token_logprobs(logits, ids[:, 1:])
             # The optimizer steps once, after the last micro-batch: until then the weights are the
@@ -295,6 +302,7 @@ class Trainer:
                 loss_cfg.dual_clip,
                 num_tokens=num_tokens,
                 negative_weight=loss_cfg.negative_weight,
+                **({"behaviour_logp": behaviour, "is_cap": loss_cfg.is_cap} if weighted else {}),
             )
             self.engine.backward(loss * self._loss_scale(), scale_wrt_gas=False)
             self.engine.step()
@@ -307,9 +315,7 @@ class Trainer:
                 entropy_sum += (-(log_probs.exp() * log_probs).sum(-1) * target_mask).sum().item()
         metrics["entropy"] = entropy_sum / max(num_tokens, 1)
         metrics["tokens"] = num_tokens
-        return self._finish_step(
-            self._global(metrics, ("loss", "entropy", "clip_frac_low", "clip_frac_high", "dual_clip_frac"))
-        )
+        return self._finish_step(self._global(metrics, tuple(k for k in metrics if k != "tokens")))
 
     # -- weights and checkpoints ----------------------------------------------------------------
 
@@ -327,12 +333,12 @@ class Trainer:
         yield from gathered.items()
 
     @torch.no_grad()
-    def token_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+    def token_logprobs(self, samples: list[Sample], temperature: float = 1.0) -> list[list[float]]:
         """log p of each token given its prefix (first token excluded), for probes and tests."""
         self.engine.eval()
         out = []
-        for ids, attention, _, _ in self._micro_batches(samples):
-            logp = token_logprobs(self._logits(ids, attention), ids[:, 1:])
+        for ids, attention, *_ in self._micro_batches(samples):
+            logp = token_logprobs(self._logits(ids, attention) / temperature, ids[:, 1:])
             lengths = attention.sum(1) - 1
             out += [row[: int(n)].tolist() for row, n in zip(logp, lengths)]
         return out
