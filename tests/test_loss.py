@@ -79,33 +79,10 @@ def test_inputs_cover_every_regime():
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
-def test_ppo_clip_loss_matches_reference(seed, dtype, tol):
-    logp_np, old_np, adv_np, mask_np = make_inputs(seed)
-    logp = torch.tensor(logp_np, dtype=dtype, requires_grad=True)
-    loss, metrics = ppo_clip_loss(
-        logp,
-        torch.tensor(old_np, dtype=dtype),
-        torch.tensor(adv_np, dtype=dtype),
-        torch.tensor(mask_np),
-        eps_low=EPS_LOW,
-        eps_high=EPS_HIGH,
-        dual_clip=DUAL,
-    )
-    loss.backward()
-    ref_loss, ref_grad, (low, high, dual) = reference_loss_and_grad(logp_np, old_np, adv_np, mask_np)
-    assert loss.item() == pytest.approx(ref_loss, rel=tol, abs=tol)
-    np.testing.assert_allclose(logp.grad.double().numpy(), ref_grad, rtol=tol, atol=tol)
-    n = mask_np.sum()
-    assert metrics["clip_frac_low"] == pytest.approx(low / n)
-    assert metrics["clip_frac_high"] == pytest.approx(high / n)
-    assert metrics["dual_clip_frac"] == pytest.approx(dual / n)
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
-def test_truncated_importance_weights_match_the_reference(seed, dtype, tol):
-    """Tokens drawn by a behaviour policy mu: log(pi_old / mu) over [-1.5, 1.5], so weights from
-    0.22 to 4.5, some above the cap of 2."""
+@pytest.mark.parametrize("weighted", [False, True], ids=["on-policy", "importance-weighted"])
+def test_ppo_clip_loss_matches_reference(seed, dtype, tol, weighted):
+    """Weighted: tokens drawn by a behaviour policy mu with log(pi_old / mu) over [-1.5, 1.5], so
+    weights from 0.22 to 4.5, some above the cap of 2."""
     logp_np, old_np, adv_np, mask_np = make_inputs(seed)
     behaviour_np = old_np - np.random.default_rng(seed + 10).uniform(-1.5, 1.5, size=old_np.shape)
     weights = np.exp(old_np - behaviour_np)
@@ -120,17 +97,23 @@ def test_truncated_importance_weights_match_the_reference(seed, dtype, tol):
         eps_low=EPS_LOW,
         eps_high=EPS_HIGH,
         dual_clip=DUAL,
-        behaviour_logp=behaviour,
-        is_cap=2.0,
+        **({"behaviour_logp": behaviour, "is_cap": 2.0} if weighted else {}),
     )
     loss.backward()
-    ref_loss, ref_grad, _ = reference_loss_and_grad(logp_np, old_np, adv_np, mask_np, behaviour=behaviour_np, cap=2.0)
+    reference = {"behaviour": behaviour_np, "cap": 2.0} if weighted else {}
+    ref_loss, ref_grad, (low, high, dual) = reference_loss_and_grad(logp_np, old_np, adv_np, mask_np, **reference)
     assert loss.item() == pytest.approx(ref_loss, rel=tol, abs=tol)
     np.testing.assert_allclose(logp.grad.double().numpy(), ref_grad, rtol=tol, atol=tol)
     assert behaviour.grad is None  # the weight is a constant
     n = mask_np.sum()
-    assert metrics["is_weight_mean"] == pytest.approx(np.minimum(weights, 2.0)[mask_np].sum() / n, rel=tol)
-    assert metrics["is_truncated_frac"] == pytest.approx((weights > 2.0)[mask_np].sum() / n)
+    assert metrics["clip_frac_low"] == pytest.approx(low / n)
+    assert metrics["clip_frac_high"] == pytest.approx(high / n)
+    assert metrics["dual_clip_frac"] == pytest.approx(dual / n)
+    if weighted:
+        assert metrics["is_weight_mean"] == pytest.approx(np.minimum(weights, 2.0)[mask_np].sum() / n, rel=tol)
+        assert metrics["is_truncated_frac"] == pytest.approx((weights > 2.0)[mask_np].sum() / n)
+    else:
+        assert "is_weight_mean" not in metrics
 
 
 def test_a_behaviour_policy_equal_to_the_proximal_one_changes_nothing():
