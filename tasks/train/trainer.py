@@ -283,7 +283,10 @@ class Trainer:
         self.engine.train()
         metrics = {"loss": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "dual_clip_frac": 0.0}
         entropy_sum = 0.0
-        weighted = loss_cfg.is_cap is not None and all(s.behaviour_logprobs is not None for s in samples)
+        # Decided by the config alone, so every rank reduces the same metrics.
+        weighted = loss_cfg.is_cap is not None
+        if weighted and any(s.behaviour_logprobs is None for s in samples):
+            raise ValueError("rl.loss.is_cap is set, but a sample carries no behaviour log-probs from its engine")
         if weighted:
             metrics |= {"is_weight_mean": 0.0, "is_truncated_frac": 0.0}
         for ids, attention, target_mask, advantages, behaviour in self._stepped(batches):
