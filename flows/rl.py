@@ -6,6 +6,7 @@ from flows.once import run_once
 from tasks.config import RunConfig, StageConfig
 from tasks.curate import select_problems
 from tasks.grpo import (
+    begin_step,
     checkpoint,
     export_policy,
     keep_unsolved,
@@ -18,7 +19,7 @@ from tasks.grpo import (
     sync_weights,
     update_policy,
 )
-from tasks.policy import roll_out, score, write_rollouts
+from tasks.policy import roll_out, roll_out_step, score, write_rollouts
 from tasks.records import Problem, RunContext
 from tasks.report import publish_stage_summary, track_progress
 from tasks.runtime import Runtime
@@ -34,16 +35,17 @@ def rl_step(
     problems: list[Problem],
     stage_run: str,
 ) -> dict:
+    clock = begin_step(runtime)
     rejoined = rejoin_engines(runtime)
     batch_problems = sample_problems(problems, stage.problems_per_step, cfg.seed, stage.name, step)
-    rollouts = roll_out(runtime, batch_problems, cfg.rl.rollouts_per_problem, stage, desc=f"{stage.name} step {step}")
+    rollouts = roll_out_step(runtime, ctx, cfg, stage, step, batch_problems)
     rollouts = score(runtime, rollouts)
     batch = select_batch(cfg, rollouts, stage.name, step)
-    write_rollouts(ctx.run_id, ctx.run_dir, stage.name, step, rollouts, batch.kept, batch.advantages)
-    update = update_policy(runtime, batch, cfg, stage)
+    write_rollouts(ctx.run_id, ctx.run_dir, stage.name, step, rollouts, batch.kept, batch.advantages, step)
+    update = update_policy(runtime, ctx, cfg, stage, step, batch, problems)  # rl.async: rolls ahead meanwhile
     update |= checkpoint(runtime, ctx, stage.name, step, cfg.rl.checkpoint_keep)
     update |= sync_weights(runtime, batch, rejoined)
-    return record_step(ctx, stage_run, stage, step, rollouts, batch, update)
+    return record_step(ctx, stage_run, stage, step, rollouts, batch, update, clock, runtime)
 
 
 def hard_problems(

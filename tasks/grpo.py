@@ -5,6 +5,7 @@ update, checkpoint and weight sync, the step's record, the difficulty filter and
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from prefect import task
@@ -16,6 +17,8 @@ from tasks.records import Problem, Rollouts, RunContext
 from tasks.rl import batch as rl_batch
 from tasks.rl.batch import TrainingBatch
 from tasks.runtime import Runtime
+from tasks.runtime.steps import StepClock, roll_ahead
+from tasks.store import inflight
 from tasks.store.run_folder import checkpoint_tag, prune_checkpoints, steps_done
 from tasks.store.tables import STEPS, read_table, step_part, write_table
 from tasks.tracking.mlflow_log import Tracker
@@ -39,13 +42,40 @@ def select_batch(cfg: RunConfig, rollouts: Rollouts, stage: str, step: int) -> T
 
 
 @task(cache_policy=NO_CACHE)
-def update_policy(runtime: Runtime, batch: TrainingBatch, cfg: RunConfig, stage: StageConfig) -> dict:
-    """One optimizer step on the kept trajectories; a batch with no signal skips the update."""
-    if not batch.samples:
-        return {"update_skipped": 1.0}
-    started = time.perf_counter()
-    metrics = runtime.trainer.rl_step(batch.samples, cfg.rl.loss, stage.temperature)
-    return metrics | {"time_update_s": time.perf_counter() - started}
+def begin_step(runtime: Runtime) -> StepClock:
+    return StepClock.start(runtime)
+
+
+@task(cache_policy=NO_CACHE)
+def update_policy(
+    runtime: Runtime,
+    ctx: RunContext,
+    cfg: RunConfig,
+    stage: StageConfig,
+    step: int,
+    batch: TrainingBatch,
+    problems: list[Problem],
+) -> dict:
+    """One optimizer step on the kept trajectories (a batch with no signal skips it). Under
+    rl.async the engines roll out the next steps of `problems` meanwhile, on the weights they
+    hold (tasks/runtime/steps.py roll_ahead); the update's metrics then say what they drew."""
+
+    def update() -> dict:
+        if not batch.samples:
+            return {"update_skipped": 1.0}
+        started = time.perf_counter()
+        metrics = runtime.trainer.rl_step(batch.samples, cfg.rl.loss, stage.temperature)
+        return metrics | {"time_update_s": time.perf_counter() - started}
+
+    if cfg.rl.overlap.mode == "off":
+        return update()
+    with ThreadPoolExecutor(1, thread_name_prefix="update") as pool:
+        running = pool.submit(update)
+        try:
+            ahead = roll_ahead(runtime, ctx, cfg, stage, step, problems, updating=lambda: not running.done())
+        finally:
+            metrics = running.result()  # the update's own error first, and never left running
+    return metrics | ahead
 
 
 @task(cache_policy=NO_CACHE)
@@ -114,6 +144,8 @@ def resume_stage(runtime: Runtime, ctx: RunContext, cfg: RunConfig, stage: Stage
     weights. A stage not started yet, after earlier stages finished by an earlier attempt, starts
     from the previous stage's last checkpoint."""
     done = steps_done(ctx, stage.name, stage.steps)
+    for step in done:  # recorded, its rollouts part written: a kill came before their folder went
+        inflight.forget(inflight.step_folder(ctx.run_dir, stage.name, step))
     previous = cfg.rl.previous_stage(stage.name)
     trained_here = runtime.begin_stage(stage.name)
     if done:
@@ -138,19 +170,30 @@ def record_step(
     rollouts: Rollouts,
     batch: TrainingBatch,
     update: dict,
+    clock: StepClock,
+    runtime: Runtime,
 ) -> dict:
-    """All of a step's metrics, to the steps table and then MLflow."""
-    metrics = rl_batch.step_metrics(rollouts, batch, update)
+    """All of a step's metrics, to the steps table and then MLflow; the step's in-flight
+    rollouts go, as its rollouts part holds them. The idle fractions cover the whole step
+    (rollouts, update, checkpoint, sync): the trainer is busy updating and checkpointing, the
+    engines while they generate."""
+    trainer_busy = update.get("time_update_s", 0.0) + update.get("time_checkpoint_s", 0.0)
+    update = update | clock.idle(runtime, trainer_busy)
+    metrics = rl_batch.step_metrics(rollouts, batch, update, trained_version=step)
     rows = [
         {"run_id": ctx.run_id, "stage": stage.name, "step": step, "metric": k, "value": float(v)}
         for k, v in metrics.items()
     ]
     # The table row marks the step done (see resume_stage); MLflow follows, at most once per step.
     write_table(rows, STEPS, step_part(ctx.run_dir, "steps", stage.name, step))
+    inflight.forget(inflight.step_folder(ctx.run_dir, stage.name, step))
     Tracker(ctx.output_dir).log_step_once(stage_run_id, metrics, step)
     print(
         f"[{stage.name} step {step}] reward {metrics['reward_mean']:.3f} kept {metrics['kept']} "
         f"tool calls {metrics['tool_calls']} errors {metrics['tool_errors']} "
-        f"rollout {rollouts.times.total_s:.1f}s update {update.get('time_update_s', 0.0):.1f}s"
+        f"rollout {rollouts.times.total_s:.1f}s update {update.get('time_update_s', 0.0):.1f}s "
+        f"step {metrics['time_step_s']:.1f}s idle trainer {metrics['idle/trainer']:.2f} "
+        f"engines {metrics['idle/engines']:.2f} "
+        f"staleness {metrics['staleness/mean']:.2f}"
     )
     return metrics

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tasks.config.cluster import ClusterConfig
 from tasks.config.model import ModelConfig, PretrainLayouts, TinyModelConfig
 from tasks.config.roles import EnginesConfig, SandboxConfig, TrainerConfig, _Strict
+from tasks.config.update import AsyncConfig, LossConfig, OptimConfig, RocConfig
 from tasks.records import RolloutSpec
 
 
@@ -90,16 +91,6 @@ class DataConfig(_Strict):
     malformed_rows: MalformedRows = "error"
 
 
-class OptimConfig(_Strict):
-    lr: float = Field(1e-6, gt=0)
-    warmup_steps: int = Field(20, ge=0)
-    schedule: Literal["constant", "cosine"] = "constant"
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
-    micro_batch_size: int = Field(8, ge=1)
-
-
 class SftSourceConfig(_Source):
     """SFT data: the generated tool-call and instruction examples, or chats from a file
     (function-calling / instruction-following sets as OpenAI-style message lists)."""
@@ -156,27 +147,6 @@ class RolloutConfig(_Strict):
         )
 
 
-class RocConfig(_Strict):
-    mode: Literal["paper", "release", "off"] = "paper"
-    count_turns: Literal["all", "after_first_tool"] = "all"  # release: after_first_tool
-    drop_zero_signal: bool = True
-
-
-class LossConfig(_Strict):
-    eps_low: float = Field(0.2, ge=0, lt=1)
-    eps_high: float = Field(0.28, ge=0)
-    dual_clip: float = Field(3.0, gt=1)
-    # Scales the loss of rollouts with a negative advantage (the paper: 1). Token-mean sums tokens,
-    # and wrong rollouts are the long ones, so at 1 pushing down outweighs pulling up; on the tiny
-    # default that raised entropy and tool errors over stage 1 (docs/experiments.md).
-    negative_weight: float = Field(1.0, ge=0.0, le=1.0)
-    # Truncated importance sampling (decoupled PPO, as in AReaL): each token weighted by
-    # min(pi_trainer / pi_engine, is_cap), pi_engine the log-probs the engine sampled it with. It
-    # corrects rollouts drawn by other weights or other kernels than the update's starting
-    # policy. None: the update's own log-probs stand for the engine's (the paper).
-    is_cap: float | None = Field(None, ge=1.0)
-
-
 class StageConfig(RolloutBudget):
     # A folder and hive-partition name (runs/<id>/models/<name>, rollouts/stage=<name>/), next to
     # the base and sft policies.
@@ -193,10 +163,23 @@ class RLConfig(_Strict):
     roc: RocConfig = RocConfig()
     loss: LossConfig = LossConfig()
     optim: OptimConfig = OptimConfig()
+    # `async` in YAML (a Python keyword, hence the field's name)
+    overlap: AsyncConfig = Field(AsyncConfig(), alias="async")
     stages: list[StageConfig]
     # DeepSpeed checkpoints kept per stage (one is written every step); 2 lets a run resume from
     # its last recorded step even when it was killed after writing the next step's checkpoint.
     checkpoint_keep: int = Field(2, ge=2)
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
+
+    @model_validator(mode="after")
+    def _off_policy_needs_correction(self) -> RLConfig:
+        if self.overlap.mode != "off" and self.loss.is_cap is None:
+            raise ValueError(
+                f"rl.async.mode {self.overlap.mode!r} trains on rollouts drawn by older weights: set "
+                "rl.loss.is_cap (e.g. 2.0), the truncated importance-sampling correction they need"
+            )
+        return self
 
     @field_validator("stages")
     @classmethod

@@ -114,12 +114,23 @@ class Trajectory:
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
     stop_reason: str = ""  # answer | no_answer | max_turns | budget
     behaviour_logprobs: list[float] = field(default_factory=list)  # per response token; 0 on tool tokens
+    policy_version: int = 0  # the weights that drew it: the stage's step whose update they start
 
     def extend(self, ids: list[int], text: str, trainable: bool, logprobs: list[float] | None = None) -> None:
         self.response_ids += ids
         self.loss_mask += [int(trainable)] * len(ids)
         self.response += text
         self.behaviour_logprobs += logprobs if logprobs and len(logprobs) == len(ids) else [0.0] * len(ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        row = asdict(self)
+        row["tool_calls"] = [{**asdict(c), "status": c.status.value} for c in self.tool_calls]
+        return row
+
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> Trajectory:
+        calls = [ToolCallRecord(**{**c, "status": ToolStatus(c["status"])}) for c in row["tool_calls"]]
+        return cls(**{**row, "tool_calls": calls})
 
 
 @dataclass
@@ -133,6 +144,8 @@ class RolloutTimes:
     requeued_rollouts: int = 0  # moved to another engine when theirs died
     engine_deaths: int = 0  # engines found dead during the batch
     sandbox_retries: int = 0  # tool-call attempts sent again after a replica failed to answer
+    reused: int = 0  # finished before (rolled out ahead, or before an interruption), not drawn again
+    stale_dropped: int = 0  # finished before, but by weights too old to train on: drawn again
 
 
 class Rollouts:

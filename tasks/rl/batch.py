@@ -12,6 +12,7 @@ from collections import Counter
 
 from tasks.config import RocConfig
 from tasks.records import Problem, Rollouts, Sample, Trajectory
+from tasks.rl.asynchrony import staleness
 from tasks.rl.roc import RocResult, TrajectoryScore, downsample, group_advantages
 from tasks.rollout.metrics import rollout_metrics, solved_attempts
 
@@ -104,12 +105,21 @@ def keep_unsolved(attempts: Rollouts, k: int) -> tuple[list[Problem], dict[int, 
     return hard, {j: histogram.get(j, 0) for j in range(k + 1)}
 
 
-def step_metrics(rollouts: Rollouts, batch: TrainingBatch, update: dict) -> dict[str, float]:
+def step_metrics(rollouts: Rollouts, batch: TrainingBatch, update: dict, trained_version: int) -> dict[str, float]:
     """Everything an RL step reports: the rollouts' rewards and tool use, RoC's selection, the
-    time each part took, and the update's own metrics."""
+    time each part took, how stale the rollouts were, and the update's own metrics."""
     times = rollouts.times
     metrics = rollout_metrics(rollouts.trajectories, rollouts.rewards)
     metrics.update(batch.roc.metrics(prefix="roc/"))
+    lag_mean, lag_max = staleness([t.policy_version for t in rollouts.trajectories], trained_version)
+    metrics.update(
+        {
+            "staleness/mean": lag_mean,
+            "staleness/max": lag_max,
+            "staleness/dropped": times.stale_dropped,
+            "rollouts_reused": times.reused,
+        }
+    )
     metrics.update(
         {
             "kept": sum(batch.kept),

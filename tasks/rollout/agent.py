@@ -146,43 +146,70 @@ class _Batch:
     (a finished turn ends the rollout or sends its tool call; an answered call submits the next
     turn), and the re-queue of a dead engine's rollouts."""
 
-    def __init__(self, engines: EngineGroupLike, tools: ToolRunner, tokenizer, problems, samples_per_problem, spec):
+    def __init__(
+        self,
+        engines: EngineGroupLike,
+        tools: ToolRunner,
+        tokenizer,
+        problems,
+        samples_per_problem,
+        spec,
+        version: int = 0,
+        finished: dict[int, Trajectory] | None = None,
+        on_finish: Callable[[int, Trajectory], None] | None = None,
+    ):
         self.engines, self.tools, self.tokenizer, self.spec = engines, tools, tokenizer, spec
         self.times = RolloutTimes()
         self.tool_call_close = tokenizer.convert_tokens_to_ids(TOOL_CALL_CLOSE)
         self.max_model_len = engines.cfg.max_model_len
+        self.on_finish = on_finish
         self.trajectories: list[Trajectory] = []
         for problem_id, question in problems:
             text = prompt_text(question, spec.tool_name, spec.tool_spec)
             prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            self.trajectories += [Trajectory(problem_id, s, prompt_ids) for s in range(samples_per_problem)]
-        longest = max((len(t.prompt_ids) for t in self.trajectories), default=0)
+            self.trajectories += [
+                Trajectory(problem_id, s, prompt_ids, policy_version=version) for s in range(samples_per_problem)
+            ]
+        self.ended: set[int] = set()
+        for index, done in (finished or {}).items():
+            fresh = self.trajectories[index] if index < len(self.trajectories) else None
+            if fresh is not None and (done.problem_id, done.sample) == (fresh.problem_id, fresh.sample):
+                self.trajectories[index] = done
+                self.ended.add(index)
+        to_draw = [i for i in range(len(self.trajectories)) if i not in self.ended]
+        longest = max((len(self.trajectories[i].prompt_ids) for i in to_draw), default=0)
         cfg = engines.cfg
         full_length = min(self.max_model_len, longest + spec.max_response_tokens)
         self.times.kv_reserve_tokens = reserve_tokens(
             cfg.kv_reserve, full_length, engines.last_rollout_sizes, cfg.kv_headroom
         )
-        self.scheduler = make_scheduler(
-            cfg.scheduler, engines.kv_tokens, self.times.kv_reserve_tokens, range(len(self.trajectories))
-        )
+        self.scheduler = make_scheduler(cfg.scheduler, engines.kv_tokens, self.times.kv_reserve_tokens, to_draw)
         for engine, serving in enumerate(engines.serving):
             if not serving:
                 self.scheduler.drop_engine(engine)
         self.engine_of: dict[int, int] = {}
         self.generating: set[int] = set()
         self.pending_tools: dict[int, tuple[Future, float]] = {}
-        self.finished = 0
+        self.active: set[int] = set()  # admitted, not ended
+        self.closed = False  # no more admissions: the batch ends with the rollouts in flight
+
+    @property
+    def finished(self) -> int:
+        return len(self.ended)
 
     @property
     def done(self) -> bool:
-        return self.finished == len(self.trajectories)
+        return self.finished == len(self.trajectories) or (self.closed and not self.active)
 
     # -- admission -----------------------------------------------------------------------------
 
     def admit(self) -> None:
         """Start what the scheduler allows now: at the start, and as soon as rollouts end."""
+        if self.closed:
+            return
         for index, engine in self.scheduler.admit():
             self.engine_of[index] = engine
+            self.active.add(index)
             if index not in self.pending_tools:  # a moved rollout waiting on a tool goes on when it answers
                 self.submit_turn(index)
 
@@ -215,8 +242,11 @@ class _Batch:
         self.generating.add(index)
 
     def end_rollout(self, index: int) -> None:
-        self.finished += 1
+        self.ended.add(index)
+        self.active.discard(index)
         self.scheduler.finish(index)
+        if self.on_finish is not None:
+            self.on_finish(index, self.trajectories[index])
 
     def next_turns(self) -> list[tuple[int, FinishedTurn]]:
         """The turns finished by now: polled while anything generates (briefly when a tool call
@@ -275,6 +305,7 @@ class _Batch:
             if self.engine_of.pop(index, None) is not None:  # started there (not just dealt to it)
                 self.times.requeued_rollouts += 1
             self.generating.discard(index)
+            self.active.discard(index)
 
 
 def run_rollouts(
@@ -285,25 +316,36 @@ def run_rollouts(
     samples_per_problem: int,
     spec: RolloutSpec,
     desc: str = "rollouts",
+    version: int = 0,
+    finished: dict[int, Trajectory] | None = None,
+    on_finish: Callable[[int, Trajectory], None] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[list[Trajectory], RolloutTimes]:
     """Roll out `samples_per_problem` trajectories for each (problem_id, question) on the engines,
     each rollout's engine chosen by the scheduler their config names; the KV-aware scheduler's
     reserve per rollout comes from that config and the sizes of the previous batch
-    (tasks/rollout/scheduler.py)."""
+    (tasks/rollout/scheduler.py).
+
+    `finished` (batch index -> trajectory) are rollouts of the batch drawn before: they are not
+    drawn again. Each rollout that ends goes to `on_finish(index, trajectory)` at once. Once
+    `stop()` is true no rollout starts; the ones in flight finish, and only the finished ones
+    (in batch order) are returned. New trajectories carry policy `version`."""
     started = time.perf_counter()
     busy_before = engines.stats()
     retried_before = tools.client.retried
-    batch = _Batch(engines, tools, tokenizer, problems, samples_per_problem, spec)
-    with tqdm(total=len(batch.trajectories), desc=desc, leave=False, disable=None) as progress:
+    batch = _Batch(engines, tools, tokenizer, problems, samples_per_problem, spec, version, finished, on_finish)
+    with tqdm(total=len(batch.trajectories), initial=batch.finished, desc=desc, leave=False, disable=None) as progress:
         while not batch.done:
             finished = batch.finished
+            batch.closed = batch.closed or (stop is not None and stop())
             batch.admit()
             batch.end_turns(batch.next_turns())
             for engine in engines.failed():
                 batch.requeue(engine)
             batch.answer_tools()
             progress.update(batch.finished - finished)
-    times, trajectories = batch.times, batch.trajectories
+    times = batch.times
+    trajectories = [t for i, t in enumerate(batch.trajectories) if i in batch.ended]
     times.total_s = time.perf_counter() - started
     busy_after = engines.stats()
     # (an engine back from a restart counts from zero again)

@@ -175,7 +175,11 @@ class Engine:
         ]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Push new weights into the running engine, then drop KV computed with the old ones."""
+        """Push new weights into the running engine, then drop KV computed with the old ones. Only
+        between rollouts: a turn half drawn by each of two policy versions could be trained on as
+        drawn by either."""
+        if self.has_unfinished():
+            raise RuntimeError("new weights pushed while requests generate: push only between rollouts")
         worker = self._core.engine_core.engine_core.model_executor.driver_worker.worker
         worker.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
         # Without this, prefix-cache hits would reuse keys/values of the previous policy.

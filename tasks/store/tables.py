@@ -56,6 +56,10 @@ ROLLOUTS = pa.schema(
         ("tool_failures", pa.int32()),
         ("tool_statuses", pa.list_(pa.string())),
         ("stop_reason", pa.string()),
+        # Policy versions count a stage's updates: the weights that drew the rollout, and those
+        # an RL step trained on it (null outside RL steps); rl.async makes them differ.
+        ("generated_version", pa.int32()),
+        ("trained_version", pa.int32()),
     ]
 )
 
@@ -174,7 +178,13 @@ def stage_steps(run_dir: Path, stage: str) -> dict[int, dict[str, float]]:
 
 
 def rollout_rows(
-    run_id: str, stage: str, step: int, rollouts, kept: list[bool] | None = None, advantages: list[float] | None = None
+    run_id: str,
+    stage: str,
+    step: int,
+    rollouts,
+    kept: list[bool] | None = None,
+    advantages: list[float] | None = None,
+    trained_version: int | None = None,
 ) -> list[dict]:
     """ROLLOUTS rows for scored rollouts (tasks.records.Rollouts), in order."""
     questions = {p.problem_id: p.question for p in rollouts.problems}
@@ -202,6 +212,8 @@ def rollout_rows(
                 "tool_failures": sum(c.status.is_failure for c in traj.tool_calls),
                 "tool_statuses": [c.status.value for c in traj.tool_calls],
                 "stop_reason": traj.stop_reason,
+                "generated_version": None if trained_version is None else traj.policy_version,
+                "trained_version": trained_version,
             }
         )
     return rows

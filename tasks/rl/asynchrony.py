@@ -1,0 +1,49 @@
+"""Asynchronous RL as pure rules over plain numbers: which steps the engines may roll out while an
+update runs, which finished rollouts are fresh enough to train on, and what a step reports about
+it (staleness, idle time).
+
+A policy version counts a stage's updates: step t's rollouts are drawn by version t when
+generation waits for the update (rl.async off). With `one_step` the engines draw step t+1 on
+version t while step t's update runs, so its rollouts lag one version; `bounded` goes on into
+later steps while the update still runs, up to `max_staleness` versions (recipe.md, scaleout.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tasks.config import AsyncConfig
+from tasks.records import Trajectory
+
+
+def steps_ahead(overlap: AsyncConfig, step: int, steps: int) -> tuple[list[int], list[int]]:
+    """While step `step`'s update runs (version `step` in the engines): the steps whose rollouts
+    are drawn whatever the update's time (`must`), and those drawn only while it still runs
+    (`may`). Nothing crosses the stage's last step: the next stage starts from its final policy."""
+    last = steps - 1
+    if overlap.mode == "off" or step >= last:
+        return [], []
+    if overlap.mode == "one_step":
+        return [step + 1], []
+    return [step + 1], list(range(step + 2, min(last, step + overlap.staleness_limit) + 1))
+
+
+def fresh(finished: dict[int, Trajectory], trained_version: int, limit: int) -> tuple[dict[int, Trajectory], int]:
+    """The finished rollouts a step trained at `trained_version` may use (drawn at most `limit`
+    versions earlier, and not by a later one, which a resume from an older checkpoint leaves),
+    and how many it drops."""
+    kept = {i: t for i, t in finished.items() if 0 <= trained_version - t.policy_version <= limit}
+    return kept, len(finished) - len(kept)
+
+
+def staleness(versions: Sequence[int], trained_version: int) -> tuple[float, int]:
+    """Mean and most versions the trained rollouts lag behind the update."""
+    lags = [trained_version - v for v in versions]
+    return (sum(lags) / len(lags), max(lags)) if lags else (0.0, 0)
+
+
+def idle_fraction(busy_s: float, wall_s: float, workers: int = 1) -> float:
+    """The share of `workers` x `wall_s` not spent busy."""
+    if wall_s <= 0 or workers <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - busy_s / (wall_s * workers)))

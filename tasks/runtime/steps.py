@@ -1,0 +1,106 @@
+"""An RL step's rollouts on the running engines, kept as they finish (tasks/store/inflight.py),
+and what the engines do while the trainer updates under rl.async (tasks/rl/asynchrony.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tasks.config import RunConfig, StageConfig
+from tasks.records import Problem, Rollouts, RunContext
+from tasks.rl import asynchrony
+from tasks.rl.batch import step_problems
+from tasks.rollout.agent import run_rollouts
+from tasks.runtime import Runtime
+from tasks.store import inflight
+
+
+@dataclass(frozen=True)
+class StepClock:
+    """When a step began, and the engines' busy seconds then: its idle fractions count from here."""
+
+    started: float
+    engines_busy_s: float
+
+    @classmethod
+    def start(cls, runtime: Runtime) -> StepClock:
+        return cls(time.perf_counter(), engines_busy_s(runtime))
+
+    def idle(self, runtime: Runtime, trainer_busy_s: float) -> dict[str, float]:
+        """The step's wall time, and the share of it the trainer and the engines sat idle."""
+        wall = time.perf_counter() - self.started
+        engines_busy = max(0.0, engines_busy_s(runtime) - self.engines_busy_s)
+        return {
+            "time_step_s": wall,
+            "idle/trainer": asynchrony.idle_fraction(trainer_busy_s, wall),
+            "idle/engines": asynchrony.idle_fraction(engines_busy, wall, runtime.engines.count),
+        }
+
+
+def engines_busy_s(runtime: Runtime) -> float:
+    # (an engine back from a restart counts from zero again: the step's idle share then errs high)
+    return sum(s["busy_s"] for s in runtime.engines.stats())
+
+
+def draw_step(
+    runtime: Runtime,
+    ctx: RunContext,
+    cfg: RunConfig,
+    stage: StageConfig,
+    step: int,
+    problems: list[Problem],
+    version: int,
+    stop: Callable[[], bool] | None = None,
+    desc: str = "",
+) -> Rollouts:
+    """Step `step`'s rollouts: those finished before that the step may train on, the rest drawn
+    now by policy `version`, each kept in the step's in-flight folder as it finishes."""
+    folder = inflight.step_folder(ctx.run_dir, stage.name, step)
+    finished, dropped = asynchrony.fresh(inflight.finished(folder), step, cfg.rl.overlap.staleness_limit)
+    trajectories, times = run_rollouts(
+        runtime.engines,
+        runtime.tools,
+        runtime.tokenizer,
+        [(p.problem_id, p.question) for p in problems],
+        cfg.rl.rollouts_per_problem,
+        cfg.rollout.spec(stage),
+        desc or f"{stage.name} step {step}",
+        version=version,
+        finished=finished,
+        on_finish=lambda index, trajectory: inflight.keep_finished(folder, index, trajectory),
+        stop=stop,
+    )
+    times.reused, times.stale_dropped = len(finished), dropped
+    return Rollouts(problems, trajectories, times)
+
+
+def roll_ahead(
+    runtime: Runtime,
+    ctx: RunContext,
+    cfg: RunConfig,
+    stage: StageConfig,
+    step: int,
+    problems: list[Problem],
+    updating: Callable[[], bool],
+) -> dict:
+    """While step `step`'s update runs (`updating()` true), the rollouts of the steps after it that
+    rl.async allows, drawn by the weights the engines hold (version `step`) and kept in their
+    steps' in-flight folders; returns what it did, for the step's metrics."""
+    must, may = asynchrony.steps_ahead(cfg.rl.overlap, step, stage.steps)
+    started, drawn, dropped = time.perf_counter(), 0, 0
+    for ahead in must + may:
+        if ahead in may and not updating():
+            break
+        batch_problems = step_problems(problems, stage.problems_per_step, cfg.seed, stage.name, ahead)
+        stop = None if ahead in must else (lambda: not updating())
+        rollouts = draw_step(
+            runtime, ctx, cfg, stage, ahead, batch_problems, version=step, stop=stop, desc=f"{stage.name} ahead {ahead}"
+        )
+        drawn += len(rollouts.trajectories) - rollouts.times.reused
+        dropped += rollouts.times.stale_dropped
+    return {
+        "time_roll_ahead_s": time.perf_counter() - started,
+        "rollouts_ahead": drawn,
+        "staleness/dropped_ahead": dropped,
+    }
