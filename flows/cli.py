@@ -134,6 +134,23 @@ def main(argv: list[str] | None = None) -> None:
         "--name", default="coldstart", help="runs <name>-s<seed>-<arm>, report outputs/ablations/<name>"
     )
     coldstart.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    compare = commands.add_parser(
+        "async-compare", help="rl.async against on-policy RL: the modes from one SFT policy per seed, one report"
+    )
+    compare.add_argument("--config", default=str(default_config_path()), help="YAML config (default: tiny)")
+    compare.add_argument("--seeds", type=int, default=3)
+    compare.add_argument(
+        "--modes",
+        nargs="+",
+        default=["off", "one_step"],
+        choices=["off", "one_step", "bounded"],
+        help="first: baseline",
+    )
+    compare.add_argument(
+        "--is-cap", type=float, default=2.0, help="rl.loss.is_cap of the off-policy modes (default: 2.0)"
+    )
+    compare.add_argument("--name", default="async", help="runs <name>-s<seed>-<mode>, report outputs/ablations/<name>")
+    compare.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     query = commands.add_parser("query", help="run SQL on the DuckDB views (dashboards/views.sql)")
     query.add_argument("sql", help='e.g. "SELECT stage, step, avg(reward) FROM rollouts GROUP BY ALL"')
     query.add_argument("--runs", default="outputs/runs/*", help="run folder or glob (default: every run)")
@@ -161,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     with _bad_input_exits_2():
         overrides = parse_overrides(args.set)
-        if args.command in ("run", "ablate", "coldstart"):
+        if args.command in ("run", "ablate", "coldstart", "async-compare"):
             _check(args.config, overrides)
     if args.command == "evaluate":
         from flows.evaluate import evaluate_checkpoint
@@ -190,6 +207,18 @@ def main(argv: list[str] | None = None) -> None:
         from flows.ablate import cold_start
 
         cold_start(config=args.config, seeds=args.seeds, arms=args.arms, overrides=overrides, name=args.name)
+        return
+    if args.command == "async-compare":
+        from flows.ablate import async_comparison
+
+        async_comparison(
+            config=args.config,
+            seeds=args.seeds,
+            modes=args.modes,
+            is_cap=args.is_cap,
+            overrides=overrides,
+            name=args.name,
+        )
         return
     from flows.pipeline import pipeline
 

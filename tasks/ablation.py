@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.config import RunConfig
 from tasks.store import run_folder
-from tasks.summary import cold_start, mode_comparison, runs
+from tasks.summary import async_comparison, cold_start, mode_comparison, runs
 from tasks.summary.runs import RunResult
 
 
@@ -37,3 +37,8 @@ def write_ablation_report(results: list[RunResult], out_dir: Path, command: str)
 @task(cache_policy=NO_CACHE)
 def write_cold_start_report(results: list[RunResult], out_dir: Path, command: str) -> Path:
     return cold_start.write_report(results, out_dir, command)
+
+
+@task(cache_policy=NO_CACHE)
+def write_async_report(results: list[RunResult], out_dir: Path, command: str) -> Path:
+    return async_comparison.write_report(results, out_dir, command)

@@ -228,3 +228,45 @@ def test_cold_start_report_compares_the_arms_over_seeds(tmp_path) -> None:
     assert "| non_reasoning | 0.150 ± 0.071 | 0.550 ± 0.071 | +40.0 ± 0.0 | 110 ± 14 -> 83 ± 14 |" in text
     assert "| `c-s0-reasoning` | sft 0.500 -> stage1 0.000 -> stage2 0.500 | n/a |" in text
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_async_report_sets_each_mode_against_the_range_of_off(tmp_path) -> None:
+    from tasks.summary.async_comparison import summarize, write_report
+
+    def arm_run(seed, arm, final, lag):
+        steps = {
+            "reward_mean": [0.1, 0.3],
+            "staleness/mean": [0.0, lag],
+            "tool_error_rate": [0.2, 0.2],
+            "idle/trainer": [0.6, 0.4],
+            "idle/engines": [0.5, 0.3],
+            "time_step_s": [6.0, 4.0],
+        }
+        return RunResult(seed, arm, f"a-s{seed}-{arm}", {"sft": 0.3, "stage1": final}, steps, [2])
+
+    results = [arm_run(0, "off", 0.4, 0.0), arm_run(1, "off", 0.6, 0.0)]
+    results += [arm_run(0, "one_step", 0.5, 1.0), arm_run(1, "one_step", 0.55, 1.0)]
+    results += [arm_run(0, "bounded", 0.2, 2.0), arm_run(1, "bounded", 0.3, 2.0)]
+    arms = summarize(results)
+    assert arms["one_step"]["within_baseline"] and not arms["bounded"]["within_baseline"]
+    assert arms["one_step"]["gain"][0] == pytest.approx(0.225) and arms["one_step"]["staleness"][0] == 0.5
+    assert arms["off"]["idle_trainer"][0] == pytest.approx(0.5) and arms["off"]["step_s"][0] == 5.0
+    text = write_report(results, tmp_path, "rstar2 async-compare --seeds 2").read_text()
+    assert "| one_step | 0.300 ± 0.000 | 0.525 ± 0.035 | +22.5 ± 3.5 | 0.500 ± 0.000 |" in text
+    assert "off's range after RL over seeds: 0.400 to 0.600." in text
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_on_other_cores_or_threads_may_start_from_another_runs_sft_policy(tmp_path) -> None:
+    from tasks.config import default_config_path, load_config
+    from tasks.store.run_folder import start_from_run
+
+    def cfg(**overrides):
+        return load_config(default_config_path(), {"output_dir": str(tmp_path), **overrides})
+
+    runs = tmp_path / "runs"
+    source = _finished_sft_run(runs / "s-s0-off", cfg())
+    start_from_run(source, runs / "s-s0-split", cfg(**{"cluster.placement": "split", "trainer.threads": 1}))
+    assert (runs / "s-s0-split" / "models" / "sft").exists()
+    with pytest.raises(ValueError, match=r"differ in \['trainer'\]"):
+        start_from_run(source, runs / "s-s0-z3", cfg(**{"trainer.zero_stage": 3}))

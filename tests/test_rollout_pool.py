@@ -167,6 +167,64 @@ def test_evaluation_samples_differ_at_temperature_0_6(model_dir, runtime) -> Non
 
 
 @pytest.mark.slow
+def test_a_batch_keeps_what_finished_before_and_ends_with_the_rollouts_in_flight(model_dir, runtime) -> None:
+    """What rl.async and a resume ask of the loop: rollouts finished before are not drawn again,
+    each new one is handed over once as it ends, and a stopped batch starts nothing more."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    problems = [(p.problem_id, p.question) for p in generate_problems(3, [1], seed=7)]
+    first, _ = run_rollouts(runtime.engines, runtime.tools, tokenizer, problems, 4, SPEC, version=3)
+    assert [t.policy_version for t in first] == [3] * 12
+    before = {1: first[1], 6: first[6]}
+    handed: list[int] = []
+    again, times = run_rollouts(
+        runtime.engines,
+        runtime.tools,
+        tokenizer,
+        problems,
+        4,
+        SPEC,
+        version=4,
+        finished=before,
+        on_finish=lambda index, trajectory: handed.append(index),
+    )
+    assert again[1] is first[1] and again[6] is first[6]
+    assert sorted(handed) == [i for i in range(12) if i not in before]
+    assert [t.policy_version for i, t in enumerate(again) if i not in before] == [4] * 10
+
+    handed.clear()
+    stopped, _ = run_rollouts(
+        runtime.engines,
+        runtime.tools,
+        tokenizer,
+        problems,
+        4,
+        SPEC,
+        on_finish=lambda index, trajectory: handed.append(index),
+        stop=lambda: bool(handed),
+    )
+    # The KV cache holds fewer than 12 rollouts (see the test above): the rest never start.
+    assert 0 < len(stopped) < 12 and len(handed) == len(stopped)
+    assert all(t.stop_reason for t in stopped)
+
+
+@pytest.mark.slow
+def test_weights_are_refused_while_an_engine_generates(model_dir, runtime) -> None:
+    """No rollout is drawn by two policy versions: a push comes between rollouts only."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for k in range(4):
+        runtime.engines.add_request(0, f"busy-{k}", tokenizer("1 + 1")["input_ids"], 480, 1.0, 1.0, [])
+    runtime.engines.poll(timeout=0)  # sends them
+    time.sleep(0.2)
+    with pytest.raises(Exception, match="new weights pushed while requests generate"):
+        runtime.engines.load_from_dir(model_dir, 60)
+    finished, deadline = [], time.monotonic() + 120
+    while len(finished) < 4 and time.monotonic() < deadline:
+        finished += runtime.engines.poll(timeout=1.0)
+    assert sorted(turn.request_id for _, turn in finished) == [f"busy-{k}" for k in range(4)]
+    runtime.engines.load_from_dir(model_dir, 60)  # idle again: taken
+
+
+@pytest.mark.slow
 def test_no_process_of_the_runtime_outlives_it(runtime) -> None:
     """Last in the module: stops the module's runtime (its own exit then has nothing left to do)."""
     pids = started_pids(runtime.where)

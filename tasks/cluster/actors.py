@@ -92,19 +92,23 @@ class Placement:
             pg = self._group([_bundle(cfg.engines, cfg.engines.gpus)] * cfg.engines.count, "PACK", "engines", timeout)
             engine_slots = [(pg, b) for b in _in_node_order(pg)]
             rank_gpus, engine_gpus = cfg.trainer.gpus, cfg.engines.gpus
+        # Split on CPU: the engines and the trainer on cores of their own (rollouts overlap updates
+        # under rl.async); the sandbox and the driver run where the OS puts them.
+        split = cfg.engines.count * cfg.engines.threads if c.placement == "split" and not cfg.trainer.gpus else 0
         rank_actor = ray.remote(TrainerActor)
         self.ranks = [
-            rank_actor.options(**self._at(pg, b, cfg.trainer, rank_gpus)).remote(rank, cfg.trainer.ranks)
+            rank_actor.options(**self._at(pg, b, cfg.trainer, rank_gpus)).remote(rank, cfg.trainer.ranks, split)
             for rank, (pg, b) in enumerate(rank_slots)
         ]
         engine_actor = ray.remote(EngineActor)
+        pin_engines = cfg.engines.count > 1 or bool(split)
         engine_cfg = cfg.engines.model_dump()
         self.engines = [
             engine_actor.options(
                 **self._at(pg, b, cfg.engines, engine_gpus),
                 max_concurrency=ENGINE_CONCURRENCY,
                 max_restarts=cfg.engines.max_restarts,
-            ).remote(index, str(model_dir), engine_cfg, cfg.seed + index, cfg.model.dtype, cfg.engines.count > 1)
+            ).remote(index, str(model_dir), engine_cfg, cfg.seed + index, cfg.model.dtype, pin_engines, split)
             for index, (pg, b) in enumerate(engine_slots[: cfg.engines.count])
         ]
         if sandbox_token is not None:

@@ -98,6 +98,7 @@ def placement_record(role: str, index: int) -> dict:
         "node_ip": node_address(),
         "pid": os.getpid(),
         "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        "cores": available_cores(),  # the CPU cores it may run on (split placement binds them)
         # What Ray granted (placement-group resources carry the group's id in their names).
         "resources": {name.split("_group_")[0]: amount for name, amount in context.get_assigned_resources().items()},
     }

@@ -26,7 +26,7 @@ import torch
 from tasks.cluster.connect import placement_record
 from tasks.cluster.weights import BucketLayout, SyncGroup, broadcast, bucket_size, unpack_bucket
 from tasks.config import EnginesConfig
-from tasks.rollout.engine import Engine, FinishedTurn, available_cores, weights_from_dir
+from tasks.rollout.engine import Engine, FinishedTurn, available_cores, split_cores, weights_from_dir
 
 TAKE_WAIT_S = 0.5  # how long one `take` waits for finished turns before answering empty
 
@@ -41,12 +41,14 @@ def engine_cores(index: int, threads: int, cores: list[int]) -> list[int]:
 class EngineActor:
     """The body of an engine actor: one engine, stepped by a thread of its own."""
 
-    def __init__(self, index: int, model_dir: str, cfg: dict, seed: int, dtype: str, pin_cores: bool):
+    def __init__(self, index: int, model_dir: str, cfg: dict, seed: int, dtype: str, pin_cores: bool, split: int = 0):
+        """`split` > 0: split placement on CPU, the node's first `split` cores are the engines'."""
         self.index = index
         cfg = EnginesConfig(**cfg)
         if pin_cores and not torch.cuda.is_available() and hasattr(os, "sched_setaffinity"):
             # Engines of one node on blocks of their own, so their OpenMP threads do not contend.
-            os.sched_setaffinity(0, engine_cores(index, cfg.threads, available_cores()))
+            cores = split_cores(available_cores(), split)[0] if split else available_cores()
+            os.sched_setaffinity(0, engine_cores(index, cfg.threads, cores))
         self.engine = Engine(Path(model_dir), cfg, seed, dtype).start()
         self._commands: queue.Queue = queue.Queue()
         self._finished: list[FinishedTurn] = []

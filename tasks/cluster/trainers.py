@@ -21,14 +21,19 @@ from tasks.cluster.connect import node_address, placement_record
 from tasks.cluster.weights import BucketLayout, SyncGroup, broadcast, bucket_layouts, pack_bucket
 from tasks.config import LossConfig, OptimConfig, TrainerConfig
 from tasks.records import Sample
+from tasks.rollout.engine import available_cores, split_cores
 from tasks.train.trainer import Trainer, by_length, free_port
 
 
 class TrainerActor:
     """The body of one rank actor."""
 
-    def __init__(self, rank: int, world_size: int):
+    def __init__(self, rank: int, world_size: int, split: int = 0):
+        """`split` > 0: split placement on CPU, the node's first `split` cores are the engines' and
+        the rank runs on the others."""
         self.rank, self.world_size = rank, world_size
+        if split and not torch.cuda.is_available() and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, split_cores(available_cores(), split)[1])
         self.trainer: Trainer | None = None
         self._sync_group = None
 

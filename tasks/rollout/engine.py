@@ -36,6 +36,15 @@ def available_cores() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
+def split_cores(cores: list[int], engine_cores: int) -> tuple[list[int], list[int]]:
+    """Split placement on CPU (cluster.placement): the engines' cores, the first `engine_cores`,
+    and the trainer's, the rest, so that rollouts and updates overlap without contending. A node
+    with too few cores for both gives each role all of them."""
+    if 0 < engine_cores < len(cores):
+        return cores[:engine_cores], cores[engine_cores:]
+    return cores, cores
+
+
 @dataclass(frozen=True)
 class FinishedTurn:
     request_id: str

@@ -39,3 +39,8 @@ def finished(folder: Path) -> dict[int, Trajectory]:
 
 def forget(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
+    for parent in (folder.parent, folder.parent.parent):  # the stage's and the run's, once empty
+        try:
+            parent.rmdir()
+        except OSError:
+            break

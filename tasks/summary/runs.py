@@ -1,5 +1,5 @@
-"""Finished runs read back for the comparison reports (the RoC ablation's and the cold-start
-experiment's): held-out pass@1 per checkpoint and the RL step metrics of a run, the statistics
+"""Finished runs read back for the comparison reports (the RoC ablation's, the cold-start
+experiment's and rl.async's): held-out pass@1 per checkpoint and the RL step metrics of a run, the statistics
 over seeds, the per-run table and the curves."""
 
 from __future__ import annotations
@@ -22,8 +22,17 @@ STEP_METRICS = {
     DRAWN_SHARE: "tool-error share, all positives drawn",
     "response_length_mean": "response length (tokens)",
 }
-# Also read per RL step, for the cold-start report (tasks/summary/cold_start.py).
-RUN_METRICS = {**STEP_METRICS, "turns_mean": "turns per rollout", "tool_error_rate": "tool-error rate (of calls)"}
+# Also read per RL step, for the cold-start and rl.async reports (tasks/summary/cold_start.py,
+# async_comparison.py).
+RUN_METRICS = {
+    **STEP_METRICS,
+    "turns_mean": "turns per rollout",
+    "tool_error_rate": "tool-error rate (of calls)",
+    "time_step_s": "step time (s)",
+    "staleness/mean": "staleness (policy versions)",
+    "idle/trainer": "trainer idle fraction",
+    "idle/engines": "engine idle fraction",
+}
 
 
 @dataclass

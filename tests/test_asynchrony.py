@@ -1,0 +1,105 @@
+"""The rules of asynchronous RL (tasks/rl/asynchrony.py), the `rl.async` config section, and the
+in-flight store that keeps rollouts as they finish (tasks/store/inflight.py).
+
+python -m pytest tests/test_asynchrony.py -q
+"""
+
+import json
+
+import pytest
+
+from tasks.config import AsyncConfig, ConfigError, default_config_path, load_config
+from tasks.records import ToolCallRecord, ToolStatus, Trajectory
+from tasks.rl.asynchrony import fresh, idle_fraction, staleness, steps_ahead
+from tasks.store import inflight
+
+OFF, ONE_STEP = AsyncConfig(), AsyncConfig(mode="one_step")
+
+
+def bounded(k: int) -> AsyncConfig:
+    return AsyncConfig(mode="bounded", max_staleness=k)
+
+
+def test_off_draws_nothing_ahead_and_one_step_draws_the_next_step() -> None:
+    assert steps_ahead(OFF, 0, 20) == ([], [])
+    assert steps_ahead(ONE_STEP, 0, 20) == ([1], [])
+    assert steps_ahead(ONE_STEP, 18, 20) == ([19], [])
+
+
+def test_bounded_goes_on_up_to_its_staleness_and_never_past_the_stage() -> None:
+    assert steps_ahead(bounded(2), 3, 20) == ([4], [5])
+    assert steps_ahead(bounded(4), 3, 20) == ([4], [5, 6, 7])
+    assert steps_ahead(bounded(4), 17, 20) == ([18], [19])
+    assert steps_ahead(bounded(1), 3, 20) == steps_ahead(ONE_STEP, 3, 20)
+    for overlap in (OFF, ONE_STEP, bounded(3)):  # the last step's update has no step after it
+        assert steps_ahead(overlap, 19, 20) == ([], [])
+
+
+def test_staleness_limits_follow_the_mode() -> None:
+    assert [OFF.staleness_limit, ONE_STEP.staleness_limit, bounded(3).staleness_limit] == [0, 1, 3]
+
+
+def trajectory(problem: str, sample: int, version: int) -> Trajectory:
+    return Trajectory(problem, sample, [1, 2, 3], policy_version=version)
+
+
+def test_rollouts_older_than_the_limit_or_newer_than_the_update_are_dropped() -> None:
+    finished = {i: trajectory("p", i, v) for i, v in enumerate([5, 4, 3, 2, 6])}
+    kept, dropped = fresh(finished, trained_version=5, limit=2)
+    assert sorted(kept) == [0, 1, 2] and dropped == 2
+    kept, dropped = fresh(finished, trained_version=5, limit=0)  # rl.async off: only its own version
+    assert sorted(kept) == [0] and dropped == 4
+
+
+def test_staleness_is_the_mean_and_most_versions_behind() -> None:
+    assert staleness([3, 3, 2, 1], 3) == (0.75, 2)
+    assert staleness([], 3) == (0.0, 0)
+
+
+def test_idle_fraction_is_the_share_of_wall_time_not_busy() -> None:
+    assert idle_fraction(3.0, 4.0) == 0.25
+    assert idle_fraction(3.0, 4.0, workers=2) == 0.625
+    assert idle_fraction(5.0, 4.0) == 0.0  # busy counted past the window's edges
+    assert idle_fraction(1.0, 0.0) == 0.0
+
+
+def test_the_async_section_is_read_under_its_yaml_name() -> None:
+    cfg = load_config(
+        default_config_path(), {"rl.async.mode": "bounded", "rl.async.max_staleness": 3, "rl.loss.is_cap": 2.0}
+    )
+    assert cfg.rl.overlap == bounded(3)
+    assert json.loads(cfg.model_dump_json())["rl"]["async"] == {"mode": "bounded", "max_staleness": 3}
+    assert load_config(default_config_path()).rl.overlap == OFF  # the default: on-policy
+
+
+def test_off_policy_training_without_the_correction_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"rl.async.mode 'one_step' .* set rl.loss.is_cap"):
+        load_config(default_config_path(), {"rl.async.mode": "one_step"})
+    with pytest.raises(ConfigError, match="rl.async"):
+        load_config(default_config_path(), {"rl.async.mode": "sometimes", "rl.loss.is_cap": 2.0})
+
+
+def test_a_finished_rollout_comes_back_as_it_was_kept(tmp_path) -> None:
+    folder = inflight.step_folder(tmp_path / "run", "stage1", 3)
+    done = Trajectory(
+        "p7", 2, [1, 2], [5, 6, 7], [1, 0, 1], "text", 2, [ToolCallRecord(1, ToolStatus.TIMEOUT, 0.5, "x")]
+    )
+    done.stop_reason, done.behaviour_logprobs, done.policy_version = "answer", [-0.5, 0.0, -1.25], 2
+    inflight.keep_finished(folder, 11, done)
+    (folder / ".000012.json.abc.tmp").write_text("{")  # a write the kill interrupted: never renamed
+    assert inflight.finished(folder) == {11: done}
+    assert inflight.finished(inflight.step_folder(tmp_path / "run", "stage1", 4)) == {}  # a step not begun
+
+
+def test_a_damaged_file_is_named_and_the_folder_goes_once_the_step_is_recorded(tmp_path) -> None:
+    run = tmp_path / "run"
+    folder = inflight.step_folder(run, "stage1", 0)
+    inflight.keep_finished(folder, 0, trajectory("p", 0, 0))
+    (folder / "000001.json").write_text('{"problem_id": "p"}')
+    with pytest.raises(ValueError, match="000001.json: not a finished rollout"):
+        inflight.finished(folder)
+    inflight.keep_finished(inflight.step_folder(run, "stage1", 1), 0, trajectory("p", 0, 0))
+    inflight.forget(folder)
+    assert not folder.exists() and (run / "inflight" / "stage1" / "step=1").exists()
+    inflight.forget(inflight.step_folder(run, "stage1", 1))
+    assert not (run / "inflight").exists()
