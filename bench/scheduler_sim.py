@@ -38,6 +38,17 @@ rollouts table) or by default from the latencies bench/sandbox_bench.py measured
     .venv/bin/python bench/scheduler_sim.py              # ~20 s
     .venv/bin/python bench/scheduler_sim.py --engines 8 --prompts 64 --kv-tokens 300000
     .venv/bin/python bench/scheduler_sim.py --max-response 12288 --max-turns 15   # stages 2 and 3
+    .venv/bin/python bench/scheduler_sim.py --async   # step time, on-policy vs rl.async one_step
+
+With --async: a whole RL step on the GPUs of the engines' run (--engines), on-policy (every GPU
+holds an engine and a trainer rank, colocated, and they take turns) against rl.async one_step
+(split placement: E GPUs of engines, the rest trainer ranks; the next step's rollouts drawn during
+the update). Rollouts: this simulation, KV-aware with the observed reserve, at the paper
+config's 419,430 KV tokens per engine, and for split engines also at --split-kv-tokens (an
+engine with the GPU to itself: ~140 GB of an MI300X after the weights). The update,
+an assumption: (6 + 2) x 14e9 FLOPs per trained token (forward and backward, plus the forward
+that gives the proximal policy's log-probs), at --update-tflops effective per GPU, on the kept
+half of the tokens drawn (G of 2G). The push: 28 GB of bf16 weights at --sync-gbps.
 """
 
 import argparse
@@ -53,6 +64,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tasks.rl.asynchrony import step_time  # noqa: E402
 from tasks.rollout.scheduler import make_scheduler, reserve_tokens  # noqa: E402
 
 
@@ -342,6 +354,49 @@ POLICIES = (
 )
 
 
+def async_estimate(args: argparse.Namespace) -> None:
+    """Step time of one paper-scale RL step, on-policy colocated vs one_step split (see the
+    module's docstring for the assumptions)."""
+    hw = Hardware(kv_tokens=419_430)
+    rollouts = sample_rollouts(
+        args.prompts * args.samples, args.max_response, args.max_turns, args.turn_median, None, args.seed
+    )
+    sizes = [r.prompt + sum(r.turns) + sum(t for t, _ in r.tools) for r in rollouts]
+    previous = sample_rollouts(len(rollouts), args.max_response, args.max_turns, args.turn_median, None, args.seed + 1)
+    reserve = reserve_tokens(
+        "observed",
+        max(r.prompt for r in rollouts) + args.max_response,
+        [r.prompt + sum(r.turns) + sum(t for t, _ in r.tools) for r in previous],
+        args.kv_headroom,
+    )
+    trained_tokens = 0.5 * sum(sizes)
+
+    def update_s(gpus: int) -> float:
+        return trained_tokens * 8 * 14e9 / (gpus * args.update_tflops * 1e12)
+
+    def rollout_s(engines: int, kv_tokens: int = hw.kv_tokens) -> float:
+        fresh = [Rollout(r.prompt, r.turns, r.tools, context=r.prompt) for r in rollouts]
+        return Simulation(fresh, engines, Hardware(kv_tokens=kv_tokens), "kv_aware", reserve).run()["makespan_s"]
+
+    sync_s = 28e9 / (args.sync_gbps * 1e9)
+    gpus = args.engines
+    print(
+        f"\n{gpus} GPUs, {len(rollouts)} rollouts, {trained_tokens / 1e6:.1f}M trained tokens; update at "
+        f"{args.update_tflops:g} TFLOP/s effective per GPU, push {sync_s:.1f} s ({args.sync_gbps:g} GB/s)"
+    )
+    print(f"{'mode':<9} {'placement':<26} {'rollouts s':>10} {'update s':>9} {'push s':>7} {'step s':>8} {'vs off':>7}")
+    r, u = rollout_s(gpus), update_s(gpus)
+    off = step_time("off", r, u, sync_s)
+    where = f"colocated {gpus}, {hw.kv_tokens // 1000}K KV"
+    print(f"{'off':<9} {where:<26} {r:>10.1f} {u:>9.1f} {sync_s:>7.1f} {off:>8.1f} {1:>7.2f}")
+    for kv in (hw.kv_tokens, args.split_kv_tokens):
+        for engines in (gpus // 2, 5 * gpus // 8, 3 * gpus // 4, 7 * gpus // 8):
+            r, u = rollout_s(engines, kv), update_s(gpus - engines)
+            t = step_time("one_step", r, u, sync_s)
+            where = f"split {engines} + {gpus - engines}, {kv // 1000}K KV"
+            print(f"{'one_step':<9} {where:<26} {r:>10.1f} {u:>9.1f} {sync_s:>7.1f} {t:>8.1f} {t / off:>7.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--engines", type=int, default=64)
@@ -363,7 +418,16 @@ def main() -> None:
         help="kv_observed reserves this times the previous step's mean rollout",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--async", dest="overlap", action="store_true", help="step time: off vs rl.async one_step")
+    parser.add_argument("--update-tflops", type=float, default=400.0, help="--async: trainer FLOP/s per GPU (1e12)")
+    parser.add_argument("--sync-gbps", type=float, default=25.0, help="--async: weight push, GB/s")
+    parser.add_argument(
+        "--split-kv-tokens", type=int, default=850_000, help="--async: KV tokens of an engine with a GPU of its own"
+    )
     args = parser.parse_args()
+    if args.overlap:
+        async_estimate(args)
+        return
 
     lengths = sorted(
         sum(r.turns) + sum(t for t, _ in r.tools)

@@ -4,8 +4,8 @@
 
 Reward and pass@1 by step, the tool-error share of all trajectories against kept positive ones
 (GRPO-RoC's signature: with RoC the kept positives' share falls), response length and turns,
-tool latency, what faults cost each step (cluster health), and a per-problem drill-down with the
-trajectory text.
+tool latency, what faults cost each step (cluster health), staleness and idle time under rl.async,
+and a per-problem drill-down with the trajectory text.
 """
 
 from __future__ import annotations
@@ -90,6 +90,22 @@ health = db.execute(
     "SELECT stage, step, * EXCLUDE (run_id, stage, step) FROM health WHERE run_id = $run ORDER BY stage, step", q
 ).df()
 st.dataframe(health, use_container_width=True, hide_index=True)
+
+st.header("Overlap: staleness and idle time")
+st.caption(
+    "Per RL step (rl.async): policy versions the rollouts lag behind the update, and the share of "
+    "the step the trainer and the engines sat idle; on-policy, one waits while the other works."
+)
+overlap = db.execute(
+    """
+    SELECT stage || ' ' || lpad(step::VARCHAR, 4, '0') AS step, trainer_idle AS "trainer idle",
+           engines_idle AS "engines idle", staleness_mean AS "staleness (versions)"
+    FROM asynchrony WHERE run_id = $run ORDER BY 1""",
+    q,
+).df()
+cols = st.columns(2)
+cols[0].line_chart(overlap, x="step", y=["trainer idle", "engines idle"])
+cols[1].line_chart(overlap, x="step", y="staleness (versions)")
 
 st.header("Problem drill-down")
 problems = [

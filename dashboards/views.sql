@@ -26,3 +26,19 @@ CREATE OR REPLACE VIEW health AS
            max(value) FILTER (metric = 'sandbox_retries') AS sandbox_retries,
            max(value) FILTER (metric = 'tool_internal') AS tool_internal
     FROM steps GROUP BY ALL;
+-- One row per (run, stage, step): rl.async at work. Staleness is how many policy versions the
+-- step's rollouts lag behind its update (0 on-policy); dropped: rollouts too stale to train on,
+-- drawn again; reused: rollouts finished before the step began (drawn ahead, or before an
+-- interruption); idle: the share of the step's wall time the trainer and the engines sat idle.
+CREATE OR REPLACE VIEW asynchrony AS
+    SELECT run_id, stage, step,
+           max(value) FILTER (metric = 'staleness/mean') AS staleness_mean,
+           max(value) FILTER (metric = 'staleness/max') AS staleness_max,
+           coalesce(max(value) FILTER (metric = 'staleness/dropped'), 0)
+               + coalesce(max(value) FILTER (metric = 'staleness/dropped_ahead'), 0) AS stale_dropped,
+           max(value) FILTER (metric = 'rollouts_reused') AS rollouts_reused,
+           coalesce(max(value) FILTER (metric = 'rollouts_ahead'), 0) AS rollouts_ahead,
+           max(value) FILTER (metric = 'idle/trainer') AS trainer_idle,
+           max(value) FILTER (metric = 'idle/engines') AS engines_idle,
+           max(value) FILTER (metric = 'time_step_s') AS step_s
+    FROM steps GROUP BY ALL;

@@ -103,3 +103,11 @@ def test_a_damaged_file_is_named_and_the_folder_goes_once_the_step_is_recorded(t
     assert not folder.exists() and (run / "inflight" / "stage1" / "step=1").exists()
     inflight.forget(inflight.step_folder(run, "stage1", 1))
     assert not (run / "inflight").exists()
+
+
+def test_a_step_overlapped_takes_the_longer_of_rollouts_and_update_plus_the_push() -> None:
+    from tasks.rl.asynchrony import step_time
+
+    assert step_time("off", 30.0, 20.0, 2.0) == 52.0
+    assert step_time("one_step", 30.0, 20.0, 2.0) == step_time("bounded", 30.0, 20.0, 2.0) == 32.0
+    assert step_time("one_step", 10.0, 20.0, 2.0) == 22.0

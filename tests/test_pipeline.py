@@ -157,6 +157,13 @@ def test_readme_query_runs_on_the_views(run):
     assert ("reward_mean",) in metrics
     health = connect(result["run_dir"]).sql("SELECT * EXCLUDE (run_id, stage, step) FROM health").fetchall()
     assert len(health) == 3 and {value for row in health for value in row} == {0.0}  # no faults, none counted
+    overlap = (
+        connect(result["run_dir"])
+        .sql("SELECT staleness_max, stale_dropped, rollouts_ahead, trainer_idle, engines_idle FROM asynchrony")
+        .fetchall()
+    )
+    assert len(overlap) == 3 and all(row[:3] == (0.0, 0.0, 0.0) for row in overlap)  # rl.async off: on-policy
+    assert all(0 < trainer < 1 and 0 < engines < 1 for *_, trainer, engines in overlap)
 
 
 def test_mlflow_has_nested_stage_runs_with_step_metrics(run):
@@ -246,7 +253,7 @@ DASHBOARD_READY = """(() => {
     const drawn = [...charts].filter(c => c.querySelector('canvas, svg')).length;
     const table = document.querySelectorAll('[data-testid=stDataFrame]').length;
     const code = [...document.querySelectorAll('[data-testid=stCode]')].map(c => c.innerText).join('');
-    return drawn >= 6 && table >= 1 && code.length > 0 ? {drawn, table, code: code.length} : null;
+    return drawn >= 8 && table >= 1 && code.length > 0 ? {drawn, table, code: code.length} : null;
 })()"""
 
 
@@ -296,5 +303,5 @@ def test_streamlit_dashboard_renders_charts_with_data(run):
     finally:
         server.terminate()
         server.wait(timeout=10)
-    assert rendered and rendered["drawn"] >= 6 and rendered["code"] > 0, rendered
+    assert rendered and rendered["drawn"] >= 8 and rendered["code"] > 0, rendered
     assert screenshot.stat().st_size > 20_000

@@ -47,3 +47,12 @@ def idle_fraction(busy_s: float, wall_s: float, workers: int = 1) -> float:
     if wall_s <= 0 or workers <= 0:
         return 0.0
     return min(1.0, max(0.0, 1.0 - busy_s / (wall_s * workers)))
+
+
+def step_time(mode: str, rollout_s: float, update_s: float, sync_s: float) -> float:
+    """A step's steady-state wall time from its parts. Off: rollouts, then the update, then the
+    weight push. one_step and bounded: the engines draw the next step's rollouts while the
+    update runs, so the longer of the two paces the step; the push stalls both."""
+    if mode == "off":
+        return rollout_s + update_s + sync_s
+    return max(rollout_s, update_s) + sync_s
