@@ -9,6 +9,7 @@ from tasks.grpo import (
     begin_step,
     checkpoint,
     export_policy,
+    finish_rolling_ahead,
     keep_unsolved,
     prepare_trainer,
     record_step,
@@ -16,6 +17,7 @@ from tasks.grpo import (
     resume_stage,
     sample_problems,
     select_batch,
+    start_rolling_ahead,
     sync_weights,
     update_policy,
 )
@@ -42,8 +44,10 @@ def rl_step(
     rollouts = score(runtime, rollouts)
     batch = select_batch(cfg, rollouts, stage.name, step)
     write_rollouts(ctx.run_id, ctx.run_dir, stage.name, step, rollouts, batch.kept, batch.advantages, step)
-    update = update_policy(runtime, ctx, cfg, stage, step, batch, problems)  # rl.async: rolls ahead meanwhile
+    ahead = start_rolling_ahead(runtime, ctx, cfg, stage, step, problems)  # rl.async: the next steps, meanwhile
+    update = update_policy(runtime, batch, cfg, stage)
     update |= checkpoint(runtime, ctx, stage.name, step, cfg.rl.checkpoint_keep)
+    update |= finish_rolling_ahead(ahead)
     update |= sync_weights(runtime, batch, rejoined)
     return record_step(ctx, stage_run, stage, step, rollouts, batch, update, clock, runtime)
 

@@ -5,7 +5,6 @@ update, checkpoint and weight sync, the step's record, the difficulty filter and
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from prefect import task
@@ -17,7 +16,7 @@ from tasks.records import Problem, Rollouts, RunContext
 from tasks.rl import batch as rl_batch
 from tasks.rl.batch import TrainingBatch
 from tasks.runtime import Runtime
-from tasks.runtime.steps import StepClock, roll_ahead
+from tasks.runtime.steps import RollingAhead, StepClock
 from tasks.store import inflight
 from tasks.store.run_folder import checkpoint_tag, prune_checkpoints, steps_done
 from tasks.store.tables import STEPS, read_table, step_part, write_table
@@ -47,35 +46,30 @@ def begin_step(runtime: Runtime) -> StepClock:
 
 
 @task(cache_policy=NO_CACHE)
-def update_policy(
-    runtime: Runtime,
-    ctx: RunContext,
-    cfg: RunConfig,
-    stage: StageConfig,
-    step: int,
-    batch: TrainingBatch,
-    problems: list[Problem],
-) -> dict:
-    """One optimizer step on the kept trajectories (a batch with no signal skips it). Under
-    rl.async the engines roll out the next steps of `problems` meanwhile, on the weights they
-    hold (tasks/runtime/steps.py roll_ahead); the update's metrics then say what they drew."""
-
-    def update() -> dict:
-        if not batch.samples:
-            return {"update_skipped": 1.0}
-        started = time.perf_counter()
-        metrics = runtime.trainer.rl_step(batch.samples, cfg.rl.loss, stage.temperature)
-        return metrics | {"time_update_s": time.perf_counter() - started}
-
+def start_rolling_ahead(
+    runtime: Runtime, ctx: RunContext, cfg: RunConfig, stage: StageConfig, step: int, problems: list[Problem]
+) -> RollingAhead | None:
+    """Under rl.async, the engines start drawing the next steps' rollouts of `problems` on the
+    weights they hold, while the trainer updates and checkpoints; None when it is off."""
     if cfg.rl.overlap.mode == "off":
-        return update()
-    with ThreadPoolExecutor(1, thread_name_prefix="update") as pool:
-        running = pool.submit(update)
-        try:
-            ahead = roll_ahead(runtime, ctx, cfg, stage, step, problems, updating=lambda: not running.done())
-        finally:
-            metrics = running.result()  # the update's own error first, and never left running
-    return metrics | ahead
+        return None
+    return RollingAhead(runtime, ctx, cfg, stage, step, problems)
+
+
+@task(cache_policy=NO_CACHE)
+def finish_rolling_ahead(ahead: RollingAhead | None) -> dict:
+    """The trainer is done: no more rollouts start, those in flight finish; what they drew."""
+    return ahead.finish() if ahead is not None else {}
+
+
+@task(cache_policy=NO_CACHE)
+def update_policy(runtime: Runtime, batch: TrainingBatch, cfg: RunConfig, stage: StageConfig) -> dict:
+    """One optimizer step on the kept trajectories; a batch with no signal skips the update."""
+    if not batch.samples:
+        return {"update_skipped": 1.0}
+    started = time.perf_counter()
+    metrics = runtime.trainer.rl_step(batch.samples, cfg.rl.loss, stage.temperature)
+    return metrics | {"time_update_s": time.perf_counter() - started}
 
 
 @task(cache_policy=NO_CACHE)

@@ -3,6 +3,7 @@ and what the engines do while the trainer updates under rl.async (tasks/rl/async
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -104,3 +105,43 @@ def roll_ahead(
         "rollouts_ahead": drawn,
         "staleness/dropped_ahead": dropped,
     }
+
+
+class RollingAhead:
+    """roll_ahead on a thread of its own, started as the update begins: the engines draw the next
+    steps' rollouts while the trainer updates and checkpoints on the caller's thread. `finish`
+    says the trainer is done (no rollout starts after), waits for the rollouts in flight and
+    returns what they drew; the weight push comes after it, so no rollout spans two versions."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        ctx: RunContext,
+        cfg: RunConfig,
+        stage: StageConfig,
+        step: int,
+        problems: list[Problem],
+    ):
+        self._trained = threading.Event()
+        self._metrics: dict = {}
+        self._error: BaseException | None = None
+
+        def draw() -> None:
+            try:
+                self._metrics = roll_ahead(runtime, ctx, cfg, stage, step, problems, self._training)
+            except BaseException as error:  # raised where the flow waits for it
+                self._error = error
+
+        # A daemon: a flow that fails in the update does not wait on the engines to exit.
+        self._thread = threading.Thread(target=draw, name=f"roll-ahead-{stage.name}-{step}", daemon=True)
+        self._thread.start()
+
+    def _training(self) -> bool:
+        return not self._trained.is_set()
+
+    def finish(self) -> dict:
+        self._trained.set()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._metrics
