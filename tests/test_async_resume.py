@@ -6,7 +6,8 @@ an attempt keeps (k seeded), then a seeded moment more, so kills land in a step'
 in the rollouts drawn ahead during an update, in the update, the checkpoint and the weight push.
 After every kill the test reads what the dead attempt had kept; the finished run must hold each
 of those rollouts unchanged (the same response, drawn by the same policy version: not drawn
-again), and every step all its (problem, sample) rollouts once (none lost).
+again), and every step all its (problem, sample) rollouts once (none lost). The run uses split
+placement: the engine and the trainer rank on cores of their own.
 
 Three kill points are part of `make test` (about 3 minutes on two cores); ten under the soak
 marker:
@@ -14,6 +15,7 @@ marker:
     .venv/bin/python -m pytest -m soak tests/test_async_resume.py -q -s
 """
 
+import json
 import os
 import random
 import signal
@@ -37,6 +39,9 @@ RUN = {
     "rl.async": {"mode": "one_step"},
     "rl.loss.is_cap": 2.0,
     "rl.roc.drop_zero_signal": False,  # every step updates, so every step draws the next ahead
+    # the engine and the trainer rank on cores of their own, as rl.async means to run
+    "cluster.placement": "split",
+    "trainer.threads": 1,
 }
 
 
@@ -111,4 +116,7 @@ def test_a_run_killed_anywhere_keeps_every_finished_rollout_and_draws_none_twice
     assert all(trained - gen in (0, 1) for *_, gen, trained in rows)  # one_step: at most one version behind
     assert sum(trained - gen for *_, gen, trained in rows) > 0  # and drawn ahead, at least once
     assert not (run_dir / "inflight").exists()
+    cores = {a["role"]: set(a["cores"]) for a in json.loads((run_dir / "placement.json").read_text())["actors"]}
+    if len(os.sched_getaffinity(0)) > 1:
+        assert cores["engine"] and cores["trainer"] and not cores["engine"] & cores["trainer"], cores
     assert wait_gone(started + placed_pids(run_dir)) == []
