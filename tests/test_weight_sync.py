@@ -41,6 +41,44 @@ def test_engine_log_probs_follow_the_trainer(model_dir, eager):
     engine.stop()
 
 
+def test_no_turn_after_a_push_reuses_keys_and_values_of_the_old_weights(model_dir):
+    """The prefix cache is fenced per policy version: a prompt drawn from before a push is served
+    after it with keys and values of the new weights. Without the fence (the reload alone, the
+    control) the same turn is scored by the old weights' cached prompt."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    texts = [p.question + "\n" + p.solution_code for p in generate_problems(4, [1, 2], seed=6)]
+    prompts = [ids[:96] for ids in tokenizer(texts)["input_ids"]]  # whole KV blocks: cached
+    engine = Engine(model_dir, EnginesConfig(kv_cache_gib=0.05, max_model_len=256), seed=0).start()
+    trainer = Trainer(model_dir, OptimConfig(lr=1e-2, warmup_steps=0, micro_batch_size=4), 10, zero_stage=1)
+
+    def turn_gap() -> float:
+        """Draw a turn after each prompt (the prompt's KV cached from the turn before, if any)
+        and compare its sampling log-probs with the trainer's."""
+        for index, prompt in enumerate(prompts):
+            engine.add_request(str(index), prompt, max_tokens=8, temperature=1.0, top_p=1.0, stop_token_ids=[])
+        turns = []
+        while engine.has_unfinished():
+            turns += engine.step()
+        turns.sort(key=lambda turn: int(turn.request_id))
+        samples = [Sample(p + t.token_ids, [1] * (len(p) + len(t.token_ids))) for p, t in zip(prompts, turns)]
+        views = trainer.token_logprobs(samples)
+        return max(abs(a - b) for p, t, v in zip(prompts, turns, views) for a, b in zip(t.logprobs, v[len(p) - 1 :]))
+
+    assert turn_gap() < TOLERANCE  # the same weights; the prompts' KV is now cached
+    trainer.sft_step([Sample(p, [1] * len(p), advantage=1.0) for p in prompts])
+    engine.load_weights(trainer.named_weights())
+    fenced = turn_gap()
+    trainer.sft_step([Sample(p, [1] * len(p), advantage=1.0) for p in prompts])
+    worker = engine._core.engine_core.engine_core.model_executor.driver_worker.worker
+    worker.reload_weights(weights_iterator=iter(trainer.named_weights()), is_checkpoint_format=True)
+    unfenced = turn_gap()  # the cached prompts were computed by the previous version
+    engine.stop()
+    print(f"largest turn log-prob gap after a push: fenced {fenced:.1e}, without the fence {unfenced:.1e}")
+    assert fenced < TOLERANCE < 10 * TOLERANCE < unfenced
+
+
 def test_the_engines_sampling_log_probs_are_the_trainers_at_the_temperature(model_dir):
     """What importance weighting reads as the behaviour policy: with the same weights, the
     log-probs the engine sampled its tokens with are the trainer's at the sampling temperature,
