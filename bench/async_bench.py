@@ -2,7 +2,7 @@
 policy.
 
 Four runs, one after another, all from the same SFT policy (the first run trains it, the others
-start from a copy of its run folder):
+start from a copy of its run folder; with --sft-from every run starts from a copy of that run's):
 - off, colocated: the default placement, engine, trainer rank (2 threads) and sandbox sharing
   every core and taking turns;
 - off, split: the engine bound to core 0, the trainer rank (1 thread) to the others
@@ -15,6 +15,7 @@ ahead), the trainer's and the engines' idle fractions, the staleness, and each r
 against off split (the target: one_step at most 0.77x) and against off colocated.
 
     .venv/bin/python bench/async_bench.py [--steps 10] [--output-dir outputs/bench-async]
+        [--sft-from outputs/runs/<a run of the default config, seed 0, past its SFT>]
 """
 
 from __future__ import annotations
@@ -46,16 +47,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10, help="stage 1 steps per run")
     parser.add_argument("--output-dir", default="outputs/bench-async")
+    parser.add_argument("--sft-from", type=Path, default=None, help="a run folder: its SFT policy for every run")
     args = parser.parse_args()
     stage1 = load_config(default_config_path()).rl.stages[0].model_dump() | {"steps": args.steps}
-    common = {"output_dir": args.output_dir, "rl.stages": [stage1], "eval.n_problems": 8}
+    common = {"output_dir": args.output_dir, "rl.stages": [stage1]}
     runs = Path(args.output_dir) / "runs"
     results = {}
     for arm, overrides in ARMS.items():
         run_overrides = {**common, **overrides}
-        if arm != "off-colocated":
-            cfg = load_config(default_config_path(), run_overrides)
-            start_from_run(runs / "off-colocated", runs / arm, cfg, "sft")
+        source = args.sft_from or (runs / "off-colocated" if arm != "off-colocated" else None)
+        if source is not None:
+            start_from_run(source, runs / arm, load_config(default_config_path(), run_overrides), "sft")
         started = time.perf_counter()
         rstar2(["run", "--run-id", arm, *(f"--set={k}={json.dumps(v)}" for k, v in run_overrides.items())])
         steps = list(stage_steps(runs / arm, "stage1").values())[1:]
