@@ -50,7 +50,8 @@ def start_rolling_ahead(
     runtime: Runtime, ctx: RunContext, cfg: RunConfig, stage: StageConfig, step: int, problems: list[Problem]
 ) -> RollingAhead | None:
     """Under rl.async, the engines start drawing the next steps' rollouts of `problems` on the
-    weights they hold, while the trainer updates and checkpoints; None when it is off."""
+    weights they hold as soon as this step's are drawn, while the step is scored, selected,
+    written, updated and checkpointed; None when it is off."""
     if cfg.rl.overlap.mode == "off":
         return None
     return RollingAhead(runtime, ctx, cfg, stage, step, problems)

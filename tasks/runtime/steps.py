@@ -108,10 +108,11 @@ def roll_ahead(
 
 
 class RollingAhead:
-    """roll_ahead on a thread of its own, started as the update begins: the engines draw the next
-    steps' rollouts while the trainer updates and checkpoints on the caller's thread. `finish`
-    says the trainer is done (no rollout starts after), waits for the rollouts in flight and
-    returns what they drew; the weight push comes after it, so no rollout spans two versions."""
+    """roll_ahead on a thread of its own, started once a step's rollouts are drawn: the engines draw
+    the next steps' rollouts while the caller's thread scores the step and the trainer updates
+    and checkpoints. `finish` says the step's work is done (no rollout starts after), waits for
+    the rollouts in flight and returns what they drew; the weight push comes after it, so no
+    rollout spans two versions."""
 
     def __init__(
         self,
