@@ -111,3 +111,10 @@ def test_a_step_overlapped_takes_the_longer_of_rollouts_and_update_plus_the_push
     assert step_time("off", 30.0, 20.0, 2.0) == 52.0
     assert step_time("one_step", 30.0, 20.0, 2.0) == step_time("bounded", 30.0, 20.0, 2.0) == 32.0
     assert step_time("one_step", 10.0, 20.0, 2.0) == 22.0
+
+
+def test_a_bare_off_in_yaml_means_off(tmp_path) -> None:
+    text = (default_config_path()).read_text().replace('async: {mode: "off"}', "async: {mode: off}")
+    assert "async: {mode: off}" in text
+    (tmp_path / "tiny.yaml").write_text(text)
+    assert load_config(tmp_path / "tiny.yaml").rl.overlap == OFF

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from tasks.config.roles import _Strict
 
@@ -54,6 +54,11 @@ class AsyncConfig(_Strict):
 
     mode: Literal["off", "one_step", "bounded"] = "off"
     max_staleness: int = Field(2, ge=1)  # bounded only
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, mode: object) -> object:
+        return "off" if mode is False else mode  # YAML reads a bare `off` as false
 
     @property
     def staleness_limit(self) -> int:
