@@ -59,7 +59,8 @@ def start_rolling_ahead(
 
 @task(cache_policy=NO_CACHE)
 def finish_rolling_ahead(ahead: RollingAhead | None) -> dict:
-    """The trainer is done: no more rollouts start, those in flight finish; what they drew."""
+    """The step's update and checkpoint are done: no more rollouts start, those in flight finish;
+    what they drew."""
     return ahead.finish() if ahead is not None else {}
 
 

@@ -32,10 +32,9 @@ from tests.small_run import run_command, small_run, stage
 from tests.test_driver_kill import descendants
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 4
 ROLLOUTS_PER_STEP = 16  # 2 problems x 2G, G = 4
+STEPS = {3: 4, 10: 10}  # kill points -> stage steps: enough rollouts for every kill to land
 RUN = {
-    **small_run([stage("stage1", STEPS)]),
     "rl.async": {"mode": "one_step"},
     "rl.loss.is_cap": 2.0,
     "rl.roc.drop_zero_signal": False,  # every step updates, so every step draws the next ahead
@@ -63,9 +62,9 @@ def kept_since(run_dir: Path, since: float) -> int:
     "points", [pytest.param(3, marks=pytest.mark.slow), pytest.param(10, marks=[pytest.mark.slow, pytest.mark.soak])]
 )
 def test_a_run_killed_anywhere_keeps_every_finished_rollout_and_draws_none_twice(tmp_path, points) -> None:
-    rng = random.Random(points)
+    rng, steps = random.Random(points), STEPS[points]
     run_dir, log_path = tmp_path / "runs" / "run", tmp_path / "run.log"
-    command = run_command("run", {**RUN, "output_dir": str(tmp_path)})
+    command = run_command("run", {**RUN, **small_run([stage("stage1", steps)]), "output_dir": str(tmp_path)})
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     started, snapshots, kills, victim = [], {}, [], None
     began = time.monotonic()
@@ -76,7 +75,7 @@ def test_a_run_killed_anywhere_keeps_every_finished_rollout_and_draws_none_twice
                 victim = subprocess.Popen(
                     command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
                 )
-            k, delay = rng.randint(1, 6), rng.uniform(0, 1.5)
+            k, delay = rng.randint(1, 4), rng.uniform(0, 1.5)
             deadline = time.monotonic() + 600
             while victim.poll() is None and (not (run_dir / "inflight").exists() or kept_since(run_dir, since) < k):
                 assert time.monotonic() < deadline, "the attempt kept no rollout in 10 minutes"
@@ -104,7 +103,7 @@ def test_a_run_killed_anywhere_keeps_every_finished_rollout_and_draws_none_twice
     ).fetchall()
     final = {(step, p, s): (response, gen) for step, p, s, response, gen, _ in rows}
     redrawn = sorted(key for key, kept in snapshots.items() if final.get(key) != kept)
-    per_step = {step: sum(1 for key in final if key[0] == step) for step in range(STEPS)}
+    per_step = {step: sum(1 for key in final if key[0] == step) for step in range(steps)}
     print(
         f"{len(kills)} kills (k-th kept rollout, delay s) {kills}; {len(snapshots)} finished rollouts in flight at "
         f"the kills, {len(redrawn)} drawn again; rollouts per step {per_step}; {time.monotonic() - began:.0f} s"
@@ -112,7 +111,7 @@ def test_a_run_killed_anywhere_keeps_every_finished_rollout_and_draws_none_twice
     assert len(kills) == points, f"the run finished after {len(kills)} of {points} kill points"
     assert snapshots, "no kill found a finished rollout in flight"
     assert redrawn == []
-    assert len(rows) == len(final) == STEPS * ROLLOUTS_PER_STEP and set(per_step.values()) == {ROLLOUTS_PER_STEP}
+    assert len(rows) == len(final) == steps * ROLLOUTS_PER_STEP and set(per_step.values()) == {ROLLOUTS_PER_STEP}
     assert all(trained - gen in (0, 1) for *_, gen, trained in rows)  # one_step: at most one version behind
     assert sum(trained - gen for *_, gen, trained in rows) > 0  # and drawn ahead, at least once
     assert not (run_dir / "inflight").exists()

@@ -83,18 +83,19 @@ def roll_ahead(
     stage: StageConfig,
     step: int,
     problems: list[Problem],
-    updating: Callable[[], bool],
+    step_running: Callable[[], bool],
 ) -> dict:
-    """While step `step`'s update runs (`updating()` true), the rollouts of the steps after it that
-    rl.async allows, drawn by the weights the engines hold (version `step`) and kept in their
-    steps' in-flight folders; returns what it did, for the step's metrics."""
+    """While step `step` is scored, updated and checkpointed (`step_running()` true), the rollouts
+    of the steps after it that rl.async allows, drawn by the weights the engines hold (version
+    `step`) and kept in their steps' in-flight folders; returns what it did, for the step's
+    metrics."""
     must, may = asynchrony.steps_ahead(cfg.rl.overlap, step, stage.steps)
     started, drawn, dropped = time.perf_counter(), 0, 0
     for ahead in must + may:
-        if ahead in may and not updating():
+        if ahead in may and not step_running():
             break
         batch_problems = step_problems(problems, stage.problems_per_step, cfg.seed, stage.name, ahead)
-        stop = None if ahead in must else (lambda: not updating())
+        stop = None if ahead in must else (lambda: not step_running())
         rollouts = draw_step(
             runtime, ctx, cfg, stage, ahead, batch_problems, version=step, stop=stop, desc=f"{stage.name} ahead {ahead}"
         )
@@ -123,13 +124,13 @@ class RollingAhead:
         step: int,
         problems: list[Problem],
     ):
-        self._trained = threading.Event()
+        self._step_done = threading.Event()
         self._metrics: dict = {}
         self._error: BaseException | None = None
 
         def draw() -> None:
             try:
-                self._metrics = roll_ahead(runtime, ctx, cfg, stage, step, problems, self._training)
+                self._metrics = roll_ahead(runtime, ctx, cfg, stage, step, problems, self._step_running)
             except BaseException as error:  # raised where the flow waits for it
                 self._error = error
 
@@ -137,11 +138,11 @@ class RollingAhead:
         self._thread = threading.Thread(target=draw, name=f"roll-ahead-{stage.name}-{step}", daemon=True)
         self._thread.start()
 
-    def _training(self) -> bool:
-        return not self._trained.is_set()
+    def _step_running(self) -> bool:
+        return not self._step_done.is_set()
 
     def finish(self) -> dict:
-        self._trained.set()
+        self._step_done.set()
         self._thread.join()
         if self._error is not None:
             raise self._error
