@@ -218,6 +218,7 @@ def test_cold_start_report_compares_the_arms_over_seeds(tmp_path) -> None:
     ]
     arms = summarize(results)
     nr = arms["non_reasoning"]
+    # abs=1e-4: 0.0707 is sqrt(0.005) = 0.070711 written to 4 places; float64 adds ~1e-17
     assert nr["sft"][:2] == pytest.approx((0.15, 0.0707), abs=1e-4) and nr["gain"][0] == pytest.approx(0.4)
     # "at the end" is the first stage's last 3 steps: step 6 (the hard stage) is not in it
     assert nr["length_first"][0] == pytest.approx(110) and nr["length_end"][0] == pytest.approx(250 / 3)

@@ -107,7 +107,7 @@ def test_a_dead_engine_costs_a_requeue_and_comes_back_with_the_weights(model_dir
     assert pool.serving == [True, True]
     trainer_view = trainer.token_logprobs(samples)
     gaps = [max_logprob_gap(view, trainer_view) for view in pool.prompt_logprobs([s.token_ids for s in samples])]
-    assert len(gaps) == 2 and max(gaps) < 2e-3, gaps
+    assert len(gaps) == 2 and max(gaps) < 2e-3, gaps  # fp32 in vLLM vs torch: test_weight_sync's TOLERANCE
     again, times = run_rollouts(pool, runtime.tools, tokenizer, problems[:2], 4, SPEC)
     assert len(again) == 8 and times.requeued_rollouts == 0 and times.engine_deaths == 0
     runtime.started += started_pids(runtime.placement.where(30))

@@ -77,6 +77,8 @@ def test_inputs_cover_every_regime():
     assert (~m).any()
 
 
+# float64: u = 1.1e-16 x a 35-token sum ~ 1e-14, x100 spare. float32: inputs |logp| <= 6.5 rounded (6.5u = 4e-7)
+# give ~2.5e-6 per token's r * w * A, plus a 35-term sum (34u = 2e-6 of sum |l|): ~1e-5 at worst.
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("weighted", [False, True], ids=["on-policy", "importance-weighted"])
@@ -121,7 +123,7 @@ def test_a_behaviour_policy_equal_to_the_proximal_one_changes_nothing():
     args = [torch.tensor(old_np), torch.tensor(adv_np), torch.tensor(mask_np)]
     plain, _ = ppo_clip_loss(torch.tensor(logp_np), *args)
     weighted, metrics = ppo_clip_loss(torch.tensor(logp_np), *args, behaviour_logp=torch.tensor(old_np))
-    assert weighted.item() == pytest.approx(plain.item(), rel=1e-12)
+    assert weighted.item() == pytest.approx(plain.item(), rel=1e-12)  # exp(0) = 1: the same sums, equal bits
     assert metrics["is_weight_mean"] == pytest.approx(1.0) and metrics["is_truncated_frac"] == 0.0
 
 
@@ -147,12 +149,13 @@ def test_negative_weight_scales_only_the_negative_rollouts_loss_and_gradient():
         loss.backward()
         per_weight[weight] = (loss.item(), logp.grad, metrics)
     (loss_1, grad_1, metrics_1), (loss_q, grad_q, metrics_q) = per_weight[1.0], per_weight[0.25]
-    torch.testing.assert_close(grad_q, torch.where(negative, 0.25 * grad_1, grad_1))
+    torch.testing.assert_close(grad_q, torch.where(negative, 0.25 * grad_1, grad_1))  # x 0.25 (2^-2) is exact
     assert (grad_1[negative.expand_as(grad_1)] != 0).any()  # the check above is not vacuous
     # the loss splits the same way: positive part + weight x negative part
     ref, _, _ = reference_loss_and_grad(
         logp_np, old_np, np.where(adv_np < 0, adv_np, 0.0), mask_np, num_tokens=int(mask_np.sum())
     )
+    # float64: 35-term sums in two orders (~35u = 4e-15 of sum |l|), x ~7 for the cancellation in loss_1 - ref
     assert loss_q == pytest.approx((loss_1 - ref) + 0.25 * ref, rel=1e-10)
     assert metrics_q == metrics_1  # where a clip binds does not depend on the weight
 
@@ -171,8 +174,8 @@ def test_micro_batches_with_shared_num_tokens_add_up():
         part, _ = ppo_clip_loss(split_logp[rows], old[rows], adv[rows], mask[rows], num_tokens=num_tokens)
         part.backward()  # gradients accumulate as in gradient accumulation
         total += part.item()
-    assert total == pytest.approx(full_loss.item(), rel=1e-12)
-    torch.testing.assert_close(split_logp.grad, full_logp.grad)
+    assert total == pytest.approx(full_loss.item(), rel=1e-12)  # float64: 35 tokens in 3 sums vs 1, ~35u = 4e-15
+    torch.testing.assert_close(split_logp.grad, full_logp.grad)  # per-token products, no sum: equal bits
 
 
 def test_all_masked_is_zero_not_nan():
@@ -195,6 +198,7 @@ def test_token_logprobs_matches_log_softmax():
         for t in range(T):
             row = logits_np[b, t]
             reference = row[targets[b, t]] - (row.max() + math.log(np.exp(row - row.max()).sum()))
+            # float32: |logit| <= 9.4 and |logp| <= 10.5 rounded (6e-7 each) + an 11-term sum: ~2e-6 at worst
             assert got[b, t].item() == pytest.approx(reference, abs=1e-5)
     # bf16 logits are upcast; an ignore index (-1) does not crash, it is the mask's job
     targets[0, 0] = -1
@@ -210,6 +214,8 @@ def test_sft_loss_is_masked_token_mean_cross_entropy():
     mask[0, 0] = True
     ignored = torch.where(mask, targets, torch.full_like(targets, -100))
     reference = F.cross_entropy(logits.reshape(-1, V), ignored.reshape(-1), ignore_index=-100)
+    # float32, the same log-softmax per token on both sides: 8 positive terms summed in other orders
+    # (7u a side, as for half + rest: 2u + 4u + 1u; / 8 is exact) differ by <= 14u = 8.4e-7
     assert sft_loss(logits, targets, mask).item() == pytest.approx(reference.item(), rel=1e-6)
     # with a batch-wide count, a part's loss is its share of the sum
     half = sft_loss(logits[:1], targets[:1], mask[:1], num_tokens=int(mask.sum()))

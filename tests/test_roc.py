@@ -117,7 +117,7 @@ def test_paper_selection_frequencies_match_exact_inclusion():
 
     weights = [1.0 / p_total(t) for t in POSITIVES]
     expected = exact_inclusion_probabilities(weights, 3)
-    assert math.isclose(sum(expected), 3.0)
+    assert math.isclose(sum(expected), 3.0)  # float64: ~1e3 roundings over 120 orders, ~1e-13 < rel_tol 1e-9
     tolerance = 0.015  # ~3 standard errors at 10,000 draws (se <= 0.005)
     for j, i in enumerate(positive_index):
         assert abs(counts[i] / draws - expected[j]) < tolerance, (j, counts[i] / draws, expected[j])
@@ -224,6 +224,7 @@ def test_downsample_stats_favour_clean_positives():
     assert kept_penalty < result.dropped_pos_p_err + result.dropped_pos_p_format
     # Release is the extreme case: the three lowest penalties (0.25, 1/3, 0.5) always win.
     release = downsample(groups[:1], 6, "release", random.Random(5))
+    # float64: means of 3 terms summed in another order, a few u ~ 1e-16 (isclose: rel_tol 1e-9)
     assert math.isclose(release.kept_pos_p_err + release.kept_pos_p_format, (0.25 + 1 / 3 + 0.5) / 3)
 
 
@@ -233,5 +234,5 @@ def test_group_advantages_population_std():
     expected = [(r - mean) / (std + 1e-6) for r in rewards]
     assert group_advantages(rewards) == pytest.approx(expected)
     assert group_advantages([1.0, 1.0, 1.0]) == [0.0, 0.0, 0.0]
-    assert sum(group_advantages([1.0, 0.0, 1.0, 1.0, 0.0])) == pytest.approx(0.0, abs=1e-9)
+    assert sum(group_advantages([1.0, 0.0, 1.0, 1.0, 0.0])) == pytest.approx(0.0, abs=1e-9)  # float64: 5 terms, ~1e-15
     assert group_advantages([]) == []

@@ -76,6 +76,8 @@ def test_update_does_not_depend_on_the_micro_batch_size(trainer, tmp_path):
         ).rl_step(samples, LossConfig(), temperature=0.6)
         for size in (2, 8)
     ]
+    # float32, before Adam: the loss is -sum(A) / tokens at ratio exp(0) = 1 (exact sums, a few roundings);
+    # entropy and grad_norm re-sum 95 tokens in 4 micro-batches vs 1 (134 vs 210 padded rows): ~sqrt(210) u = 1e-6
     for key in ("loss", "entropy", "grad_norm", "tokens"):
         assert metrics[0][key] == pytest.approx(metrics[1][key], rel=1e-5), key
 
@@ -117,6 +119,7 @@ def test_gradient_checkpointing_gives_the_same_update(trainer, tmp_path):
         fresh = Trainer(model_dir, optim, total_steps=10, gradient_checkpointing=checkpointing)
         fresh.rl_step(samples, LossConfig())
         after.append(dict(fresh.named_weights()))
+    # Exact: the recompute runs the same kernels on the same shapes, so the gradients (and Adam's step) are equal bits
     assert max((after[0][name] - after[1][name]).abs().max().item() for name in after[0]) < 1e-6
 
 
@@ -144,9 +147,14 @@ def test_importance_weights_read_the_samples_behaviour_log_probs(trainer, tmp_pa
         after.append(dict(fresh.named_weights()))
     gap = lambda a, b: max((a[n] - b[n]).abs().max().item() for n in a)  # noqa: E731
     assert "is_weight_mean" not in metrics[0]
+    # The weights are exp(update pass - eval pass log-probs), the passes padding the samples to other widths: 1
+    # exactly where those shapes give the same bits, else 1 +- ~1e-6 (float32 logits through 64/128-term sums).
     assert metrics[1]["is_weight_mean"] == pytest.approx(1.0, abs=1e-4) and metrics[1]["is_truncated_frac"] == 0
+    # Holds only with weights of exactly 1 (the same arithmetic on both sides): AdamW's first step turns a 1e-7
+    # weight error on near-zero gradients into gaps of ~2e-4 (measured with plain torch).
     assert gap(after[0], after[1]) < 1e-6
     assert metrics[2]["is_weight_mean"] == pytest.approx(1.5) and metrics[2]["is_truncated_frac"] == 1.0
+    # Before Adam, at ratio 1: each token's loss is exactly -1.5 A (e^0.5 capped); only the roundings differ, ~1e-7
     assert metrics[2]["loss"] == pytest.approx(1.5 * metrics[0]["loss"], rel=1e-4)
 
 
@@ -257,6 +265,8 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks_with_its_optimizer_stat
         group.save_checkpoint(checkpoints, "step-00002")
         after_3, lr_3 = step(group)
     assert universal_copy(checkpoints, "step-00001").is_dir()
+    # Measured, not derived: 2 ranks sum the step's gradients as (g3 + g1) + (g2 + g0), 1 rank in order, and Adam
+    # turns that float32 noise on cancelling entries (shared prefixes, opposite advantages) into ~1e-6 (plain torch)
     assert gap(resumed_2, after_2) < 1e-5 and resumed_lr_2 == pytest.approx(lr_2)
     with runtime(2) as two:
         group = two.policy_trainer(total_steps=6, reset_optimizer=False)
@@ -269,6 +279,7 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks_with_its_optimizer_stat
         reset_3, reset_lr = step(group)
     gaps = gap(resumed_2, after_2), gap(resumed_3, after_3), gap(reset_3, after_3)
     print(f"ZeRO-{zero_stage} weight gaps: resumed 2->1 ranks {gaps[0]:.1e}, 1->2 {gaps[1]:.1e}; reset {gaps[2]:.1e}")
-    assert gaps[1] < 1e-5 and resumed_lr_3 == pytest.approx(lr_3)
-    assert gap(reset_weights, resumed_2) < 1e-6
+    assert gaps[1] < 1e-5 and resumed_lr_3 == pytest.approx(lr_3)  # measured, as 2 -> 1 above
+    assert gap(reset_weights, resumed_2) < 1e-6  # a copy through the checkpoint, no arithmetic: 0
+    # A floor from the lrs, not from float noise: Adam moves a weight ~lr a step, 7.5e-3 continued vs 2.5e-3 fresh
     assert gaps[2] > 1e-3 and reset_lr == pytest.approx(lr_1)

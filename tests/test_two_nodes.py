@@ -219,8 +219,9 @@ def test_each_actor_ran_on_the_node_its_resources_name(runs):
 def test_ranks_agree_and_engines_follow_the_trainer_after_every_step(runs):
     metrics = {(r["step"], r["metric"]): r["value"] for r in rows(runs["two"], "steps")}
     for step in (0, 1):
+        # Exact: every rank applies the same all-reduced gradient with the same Adam arithmetic
         assert metrics[(step, "rank_weight_spread")] == 0.0, step
-        assert metrics[(step, "sync_logprob_gap")] < 2e-3, step
+        assert metrics[(step, "sync_logprob_gap")] < 2e-3, step  # fp32 in vLLM vs torch: test_weight_sync's TOLERANCE
     # SFT's steps move the weights (RL's zero advantages do not): the ranks agree after each one.
     client = MlflowClient(tracking_uri(runs["two"].parents[1]))
     experiment = client.get_experiment_by_name(EXPERIMENT)

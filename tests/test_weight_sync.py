@@ -15,7 +15,10 @@ from tasks.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # starts engines or trains
 
-TOLERANCE = 2e-3  # fp32 on both sides; different kernels (vLLM CPU vs torch) differ ~1e-5
+# The same fp32 weights through two kernel sets (vLLM CPU vs torch): u = 6e-8 x 256-term dot products, ~9 in
+# series, and x a 384-term log-sum-exp, ~2e-4 at worst here (~1e-3 for tiny.yaml's trained 4 x 512, 2048-token
+# model); measured ~1e-5. The stale gaps it must sit far below come from Adam's first step, ~lr = 1e-2 a weight.
+TOLERANCE = 2e-3
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])

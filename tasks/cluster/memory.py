@@ -155,7 +155,7 @@ def trained_micro_batch(cfg: RunConfig) -> tuple[str, int]:
     what engines.max_model_len leaves beside the longest budget (evaluation's included)."""
     budgets = [s.max_response_tokens for s in cfg.rl.stages]
     prompt = max(cfg.engines.max_model_len - max([*budgets, cfg.eval.max_response_tokens]), 0)
-    rollout = min(cfg.engines.max_model_len, max(budgets) + prompt)
+    rollout = min(cfg.engines.max_model_len, max(budgets, default=0) + prompt)  # no stages: SFT alone
     rl, sft = cfg.rl.optim.micro_batch_size * rollout, cfg.sft.optim.micro_batch_size * cfg.sft.max_len
     return ("rl", rl) if rl >= sft else ("sft", sft)
 

@@ -17,6 +17,10 @@ class OptimConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
+    # AdamW's denominator floor. Adam's first update is about lr * g / (|g| + eps): with a small
+    # eps every gradient, float noise included, moves its weight by ~lr; with eps far above |g|
+    # the update is linear in g, as SGD's with lr / eps.
+    eps: float = Field(1e-8, gt=0)
     micro_batch_size: int = Field(8, ge=1)
 
 

@@ -77,6 +77,7 @@ def deepspeed_config(optim: OptimConfig, bf16: bool, zero_stage: int) -> dict:
             "params": {
                 "lr": optim.lr,
                 "betas": list(optim.betas),
+                "eps": optim.eps,
                 "weight_decay": optim.weight_decay,
                 "torch_adam": True,
             },
