@@ -11,6 +11,9 @@ before and after SFT:
 Each is the share of exact matches. Run it on 1 thread beside a second one, e.g.
 
     .venv/bin/python scripts/cold_start_probe.py --set sft.mode=non_reasoning --threads 1 --out a.json
+
+`--copy MODEL_DIR` only probes copying in a model already built (a run's models/base):
+teacher-forced and greedy, on the fresh drills the pre-training checks and on unseen ones.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from flows.cli import parse_overrides
 from tasks.config import load_config
 from tasks.data.chat_examples import sft_examples
+from tasks.data.pretrain import copy_documents, copy_probe_samples
 from tasks.data.problem_sets import curate, load_problems
 from tasks.rollout.format import (
     TOOL_CALL_CLOSE,
@@ -53,6 +57,41 @@ def greedy(model, tokenizer, segments: list[str], max_new_tokens: int) -> str:
         eos_token_id=tokenizer.eos_token_id,
     )
     return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=False)
+
+
+@torch.no_grad()
+def copy_probe(model_dir: Path, seed: int, n: int = 64) -> dict[str, float]:
+    """Exact copies of n drills: teacher-forced on the copy alone (the old check), on the copy
+    and its newline (the pre-training's check), and greedy; fresh = the check's drills at this
+    seed, unseen = drills of a seed no pre-training draws from."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+    def teacher_forced(samples, ending: bool) -> float:
+        exact = 0
+        for sample in samples:
+            ids = torch.tensor([sample.token_ids])
+            right = model(ids).logits[0, :-1].argmax(-1) == ids[0, 1:]
+            target = torch.tensor(sample.loss_mask[1:], dtype=torch.bool)
+            if not ending:
+                target[target.nonzero()[-1]] = False  # drop the newline
+            exact += bool(right[target].all())
+        return exact / len(samples)
+
+    def greedy_share(drill_seed: int) -> float:
+        exact = 0
+        for document in copy_documents(n, drill_seed):
+            prompt, _, copy = document.rstrip("\n").rpartition("\n")
+            exact += greedy(model, tokenizer, [prompt + "\n"], 48).split("\n")[0] == copy
+        return exact / n
+
+    fresh = copy_probe_samples(tokenizer, n, seed + 7)  # the pre-training check's drills
+    return {
+        "teacher_forced_copy": teacher_forced(fresh, ending=False),
+        "teacher_forced_copy_and_newline": teacher_forced(fresh, ending=True),
+        "greedy_fresh": greedy_share(seed + 7),
+        "greedy_unseen": greedy_share(12345),
+    }
 
 
 @torch.no_grad()
@@ -86,11 +125,15 @@ def main() -> None:
         "--sft", action="append", default=[], help="an SFT variant on the same base: key=value[,key=value] (repeatable)"
     )
     parser.add_argument("--out", type=Path, help="also write the result as JSON here")
+    parser.add_argument("--copy", type=Path, metavar="MODEL_DIR", help="only probe copying in this model")
     args = parser.parse_args()
 
     overrides = parse_overrides(args.set)
     cfg = load_config(args.config, overrides)
     torch.set_num_threads(args.threads)
+    if args.copy:
+        print(json.dumps({"model": str(args.copy), "seed": cfg.seed, **copy_probe(args.copy, cfg.seed)}))
+        return
     work = Path(tempfile.mkdtemp(prefix="cold-start-probe-"))
     paths = curate(cfg.data, work)["paths"]
     train, heldout = load_problems(paths["train"]), load_problems(paths["heldout"])
@@ -108,6 +151,7 @@ def main() -> None:
         log,
     )
     result = {"overrides": args.set, "base": probe(base_dir, heldout, cfg.rollout.tool_name, cfg.rollout.tool_spec)}
+    result["base copying"] = copy_probe(base_dir, cfg.seed)
     curve = losses.get("pretrain/loss", [])
     result["pretrain_loss_every_50"] = [round(sum(curve[i : i + 10]) / 10, 3) for i in range(0, len(curve) - 9, 50)]
     result["copy_exact_every_25"] = losses.get("pretrain/copy_exact", [])

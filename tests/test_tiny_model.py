@@ -64,7 +64,8 @@ def test_copy_drills_and_their_probe(tmp_path):
     for sample in copy_probe_samples(tokenizer, 20, seed=3):
         text = tokenizer.decode(sample.token_ids)
         target = tokenizer.decode([t for t, m in zip(sample.token_ids, sample.loss_mask) if m])
-        assert text == f"Repeat: {target}\n{target}"  # the target is exactly the copy
+        copy = target.removesuffix("\n")
+        assert text == f"Repeat: {copy}\n{target}" and target == copy + "\n"  # the copy and where it ends
 
 
 @pytest.mark.parametrize("layout", ["plain", "tool_call", "chat"])
@@ -90,6 +91,12 @@ def test_epoch_batches_cover_each_sample_once_per_epoch():
     assert sorted(sum(batches[:3], [])) == sorted(set(sum(batches[:3], [])))  # 3 batches per epoch, no repeats
 
 
+# Unseen drills greedy-copied: the check ends the drills at its first pass, so the share it saw
+# is at or above the model's (the largest of noisy checks); UNSEEN_FLOOR lies 3 binomial standard
+# deviations of 64 draws (0.06 at 0.4) below 0.4.
+UNSEEN, UNSEEN_FLOOR = 64, 0.2
+
+
 def test_the_default_base_model_forms_copying_within_its_drill_budget(tmp_path):
     """The default's copy drills, as `make run` trains them, until copying forms: a base model
     that cannot copy numbers (from the question into the program, from the tool's output into
@@ -111,15 +118,17 @@ def test_the_default_base_model_forms_copying_within_its_drill_budget(tmp_path):
     )
     curve = logged["pretrain/copy_exact"]
     assert steps < tiny.pretrain_copy_steps, f"copying never formed in {steps} drill steps: {curve}"
-    assert logged["pretrain/copy_exact"][-1] >= tiny.pretrain_copy_until
-    # Greedy copies of drills from a seed the pre-training never drew from (measured: 0.7 at 0.5)
+    assert curve[-1] >= tiny.pretrain_copy_until
+    # The check is teacher-forced on the copy and its newline: the share greedy decoding copies.
+    # Here greedy decoding itself, on drills from a seed neither the drills nor the check drew from.
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     exact = 0
-    for document in copy_documents(32, seed=12345):
+    for document in copy_documents(UNSEEN, seed=12345):
         prompt, _, copy = document.rstrip("\n").rpartition("\n")
         ids = tokenizer(prompt + "\n", return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        with torch.no_grad():  # room for the longest copy (4 numbers of 8 digits: 35 tokens) and more
+            out = model.generate(ids, max_new_tokens=48, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         exact += tokenizer.decode(out[0, ids.shape[1] :]).split("\n")[0] == copy
-    assert exact / 32 >= 0.4, f"greedy copies exact {exact}/32"
+    print(f"copying formed by step {steps}: the check {curve[-1]:.2f}, greedy on unseen drills {exact}/{UNSEEN}")
+    assert exact / UNSEEN >= UNSEEN_FLOOR, f"greedy copies exact {exact}/{UNSEEN}"

@@ -79,13 +79,15 @@ def copy_drill_samples(tokenizer, tiny: TinyModelConfig, seed: int) -> list[Samp
 
 
 def copy_probe_samples(tokenizer, n: int, seed: int) -> list[Sample]:
-    """n fresh drills, one a sample, with only the copy as the target: the copy mechanism has
-    formed when the model reproduces them exactly (`Trainer.exact_match`)."""
+    """n fresh drills, one a sample, with the copy and the newline that ends it as the target: the
+    copy mechanism has formed when the model reproduces them exactly (`Trainer.exact_match`).
+    Scored on the copy alone, a model that goes on writing digits after a right copy passed, and
+    greedy decoding, which must also stop, copied far fewer (LOG.md, 2026-11-27 copy-check entry)."""
     samples = []
     for document in copy_documents(n, seed):
         prefix, _, copy = document.rpartition("\n")[0].rpartition("\n")
         first = tokenizer(prefix + "\n", add_special_tokens=False).input_ids
-        second = tokenizer(copy, add_special_tokens=False).input_ids
+        second = tokenizer(copy + "\n", add_special_tokens=False).input_ids
         samples.append(Sample(first + second, [0] * len(first) + [1] * len(second)))
     return samples
 

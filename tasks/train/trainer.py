@@ -74,13 +74,7 @@ def deepspeed_config(optim: OptimConfig, bf16: bool, zero_stage: int) -> dict:
         "optimizer": {
             "type": "AdamW",
             # torch's AdamW: no JIT-compiled optimizer op needed on CPU.
-            "params": {
-                "lr": optim.lr,
-                "betas": list(optim.betas),
-                "eps": optim.eps,
-                "weight_decay": optim.weight_decay,
-                "torch_adam": True,
-            },
+            "params": optim.model_dump(include={"lr", "betas", "eps", "weight_decay"}) | {"torch_adam": True},
         },
         "gradient_clipping": optim.grad_clip,
         "zero_optimization": {"stage": zero_stage},
