@@ -61,7 +61,7 @@ def greedy(model, tokenizer, segments: list[str], max_new_tokens: int) -> str:
 
 @torch.no_grad()
 def copy_probe(model_dir: Path, seed: int, n: int = 64) -> dict[str, float]:
-    """Exact copies of n drills: teacher-forced on the copy alone (the old check), on the copy
+    """Exact copies of n drills: teacher-forced on the copy alone, on the copy
     and its newline (the pre-training's check), and greedy; fresh = the check's drills at this
     seed, unseen = drills of a seed no pre-training draws from."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
