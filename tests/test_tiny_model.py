@@ -97,10 +97,12 @@ def test_epoch_batches_cover_each_sample_once_per_epoch():
 UNSEEN, UNSEEN_FLOOR = 64, 0.2
 
 
+@pytest.mark.soak
 def test_the_default_base_model_forms_copying_within_its_drill_budget(tmp_path):
-    """The default's copy drills, as `make run` trains them, until copying forms: a base model
-    that cannot copy numbers (from the question into the program, from the tool's output into
-    the answer) makes every later stage score 0. About 2-3 minutes on two cores."""
+    """The default's copy drills, as `make run` trains them, until copying forms, and greedy
+    decoding of unseen drills. `make test` checks the same on the default run it shares
+    (tests/test_learning.py); this one, about 6 minutes on two cores, is scripts/other_cpus.sh's:
+    `-m soak` runs it."""
     import torch
 
     from tasks.config import default_config_path, load_config

@@ -3,10 +3,11 @@ addresses that exist only inside them, `ray start` on each with token auth, as a
 Host A (the head) offers `gpu_node` and runs the trainer ranks, the engines and the driver; host B
 offers `cpu_node` and runs the sandbox replicas.
 
-- A run driven through RAY_ADDRESS, uninterrupted.
-- The same run driven through `cluster.address`, with an engine and a sandbox replica SIGKILLed
-  mid-step: the same tables, the engine back and serving within the stage, and from host A a call
-  to a replica on host B without the run's credential answered 401, its program never run.
+- A run driven through RAY_ADDRESS (tests/test_two_nodes.py drives its runs through
+  `cluster.address`), with an engine and a sandbox replica SIGKILLed mid-step: the tables an
+  uninterrupted run writes (every part, every row once, every group whole), the engine back and
+  serving within the stage, and from host A a call to a replica on host B without the run's
+  credential answered 401, its program never run.
 - Afterwards the namespaces, every Ray process and every actor are gone: each process in a
   namespace the test made is killed by pid (`ray stop` would kill every Ray on the machine).
 
@@ -29,6 +30,7 @@ import threading
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from tests.processes import alive, placed_pids, wait_busy, wait_for, wait_gone, wait_until
@@ -158,13 +160,9 @@ class Hosts:
         return left
 
 
-def run(hosts: Hosts, run_id: str, overrides: dict, through: str) -> tuple[Path, str]:
-    """A run driven from host A, the cluster named by RAY_ADDRESS or by cluster.address."""
-    env = dict(hosts.env)
-    if through == "RAY_ADDRESS":
-        env["RAY_ADDRESS"] = hosts.head
-    else:
-        overrides = {**overrides, "cluster.address": hosts.head}
+def run(hosts: Hosts, run_id: str, overrides: dict) -> tuple[Path, str]:
+    """A run driven from host A, the cluster named by RAY_ADDRESS."""
+    env = {**hosts.env, "RAY_ADDRESS": hosts.head}
     out = subprocess.run(
         hosts.exec(0, run_command(run_id, overrides)), env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200
     )
@@ -220,28 +218,28 @@ def runs(tmp_path_factory):
         started = time.monotonic()
         hosts.up()
         result["ray_pids"] = hosts.pids()
-        result["reference"], _ = run(hosts, "through-env", overrides, "RAY_ADDRESS")
         marker = workdir / "ran-without-credential"
         faults_dir = workdir / "out" / "runs" / "faults"
         injector = threading.Thread(
             target=kill_replica_and_engine, args=(hosts, faults_dir, marker, result["log"]), daemon=True
         )
         injector.start()
-        result["faults"], result["output"] = run(hosts, "faults", overrides, "cluster.address")
+        result["faults"], result["output"] = run(hosts, "faults", overrides)
         injector.join(timeout=10)
         result["marker"] = marker
-        result["actor_pids"] = [pid for d in (result["reference"], faults_dir) for pid in placed_pids(d)]
+        result["overrides"] = overrides
+        result["actor_pids"] = placed_pids(faults_dir)
         result["actors_left"] = wait_gone(result["actor_pids"])
         result["seconds"] = time.monotonic() - started
     finally:
         result["left"] = hosts.down()
-    print(f"two hosts: {result.get('seconds', 0):.0f} s for Ray on both hosts and both runs")
+    print(f"two hosts: {result.get('seconds', 0):.0f} s for Ray on both hosts and the run")
     return result
 
 
 def test_the_run_on_two_hosts_places_each_role_on_its_host(runs):
     hosts = runs["hosts"]
-    actors = json.loads((runs["reference"] / "placement.json").read_text())["actors"]
+    actors = json.loads((runs["faults"] / "placement.json").read_text())["actors"]
     where = {(a["role"], a["node_ip"]) for a in actors}
     a, b = hosts.addresses
     assert where == {("trainer", a), ("engine", a), ("sandbox", b)}
@@ -254,11 +252,17 @@ def test_a_call_from_the_other_host_without_the_credential_is_refused_and_runs_n
 
 def test_an_engine_and_a_replica_killed_mid_step_leave_the_tables_as_uninterrupted(runs):
     assert runs["log"][1:] == ["sandbox 0", "engine 1"]
-    faults, reference = runs["faults"], runs["reference"]
-    assert table_parts(faults, "rollouts") == table_parts(reference, "rollouts")  # rows = unique keys per part
-    assert all(rows == keys for rows, keys in table_parts(faults, "rollouts").values())
-    assert group_sizes(faults) == group_sizes(reference)
-    assert table_parts(faults, "steps").keys() == table_parts(reference, "steps").keys()  # every step recorded
+    faults, small = runs["faults"], runs["overrides"]
+    # What an uninterrupted run writes: problems x 2G rollouts a step, the held-out problems x k
+    # an evaluation, each row once (rows = unique keys), every group whole, every step recorded.
+    drawn, group = 2 * 2 * small["rl.group_size"], 2 * small["rl.group_size"]
+    evaluated = pq.read_metadata(faults / "data" / "heldout.parquet").num_rows * small["eval.k"]
+    assert table_parts(faults, "rollouts") == {
+        **{("stage1", step): (drawn, drawn) for step in range(STEPS)},
+        **{(f"eval-{c}", 0): (evaluated, evaluated) for c in ("sft", "stage1")},
+    }
+    assert set(group_sizes(faults).values()) == {group, small["eval.k"]}
+    assert table_parts(faults, "steps").keys() == {("stage1", step) for step in range(STEPS)}
     deaths, requeued = step_metric(faults, "engine_deaths"), step_metric(faults, "requeued_rollouts")
     assert sum(deaths.values()) == 1
     # The death counts in the step that found it: step 0 when it fell while step 0 generated (its

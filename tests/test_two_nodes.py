@@ -1,7 +1,7 @@
 """Two Ray nodes on one machine: a "GPU" node (custom resource gpu_node) holding 2 trainer ranks
 and 2 engines, and a "CPU" node (cpu_node) holding 2 sandbox replicas. A short pipeline (one RL
-stage of 2 steps) runs on them, and then, as the reference, on a one-node local Ray the run starts
-itself. Both on 127.0.0.1 only.
+stage of 2 steps) runs on them, on 127.0.0.1 only; its tables have the schemas the store declares
+and the rows its config implies (a one-node local Ray with 2 ranks is tests/test_resume_pipeline.py's).
 
 The same pipeline runs again on the two nodes with a fault injected into the real processes at a
 seeded moment, each compared with the uninterrupted run (tables: rows, unique keys, group sizes;
@@ -35,6 +35,7 @@ from prefect.testing.utilities import prefect_test_harness
 from ray.cluster_utils import Cluster
 
 from flows.pipeline import pipeline
+from tasks.store import tables as store
 from tasks.tracking.mlflow_log import EXPERIMENT, tracking_uri
 from tests.processes import alive, placed_pids, wait_busy, wait_for, wait_gone
 from tests.small_run import small_run, stage
@@ -57,7 +58,6 @@ ON_NODES = {
     "engines.resources": {"gpu_node": 1},
     "sandbox.resources": {"cpu_node": 1},
 }
-TABLES = ["rollouts", "steps"]
 
 
 def overrides(output_dir: Path) -> dict:
@@ -74,16 +74,6 @@ def overrides(output_dir: Path) -> dict:
 
 def rows(run_dir: Path, table: str) -> list[dict]:
     return [row for part in sorted((run_dir / table).rglob("*.parquet")) for row in pq.read_table(part).to_pylist()]
-
-
-def tables(run_dir: Path) -> dict[str, tuple[object, int]]:
-    """Each table's schema and row count."""
-    out = {}
-    for table in TABLES:
-        parts = sorted((run_dir / table).rglob("*.parquet"))
-        schema = pq.read_schema(parts[0]).remove_metadata()
-        out[table] = (schema, sum(pq.read_metadata(p).num_rows for p in parts))
-    return out
 
 
 def placed(run_dir: Path, role: str, index: int) -> dict:
@@ -193,12 +183,8 @@ def runs(tmp_path_factory):
         faults["gone"] = stopped_until_the_node_is_back(cluster, movable, root)  # (the CPU node is gone)
     finally:
         cluster.shutdown()
-    with prefect_test_harness():
-        # The run starts a local Ray itself; 4 logical CPUs for the same actors on 2 cores.
-        one = pipeline(config=str(CONFIG), run_id="one-node", overrides={**overrides(root), "cluster.num_cpus": 4})
     return {
         "two": Path(two["run_dir"]),
-        "one": Path(one["run_dir"]),
         "node_ids": node_ids,
         "addresses": addresses,
         "ray_pids": ray_pids,
@@ -233,15 +219,18 @@ def test_ranks_agree_and_engines_follow_the_trainer_after_every_step(runs):
     assert len(spread) == len(losses) >= 2 and {m.value for m in spread} == {0.0}
 
 
-def test_tables_match_a_one_node_run_of_the_same_config(runs):
-    two, one = tables(runs["two"]), tables(runs["one"])
-    for table in TABLES:
-        assert two[table][0] == one[table][0], table
-    assert two["rollouts"][1] == one["rollouts"][1]
-    assert two["steps"][1] == one["steps"][1]
-    rl_rollouts = [r for r in rows(runs["two"], "rollouts") if r["stage"] == "stage1"]
-    assert len(rl_rollouts) == 2 * 2 * 8  # steps x problems x 2G
-    assert {r["metric"] for r in rows(runs["two"], "steps")} == {r["metric"] for r in rows(runs["one"], "steps")}
+def test_tables_have_the_declared_schemas_and_the_rows_the_config_implies(runs):
+    for table, schema in (("rollouts", store.ROLLOUTS), ("steps", store.STEPS)):
+        parts = sorted((runs["two"] / table).rglob("*.parquet"))
+        assert parts and all(pq.read_schema(p).remove_metadata().equals(schema) for p in parts), table
+    small = overrides(runs["two"].parents[1])
+    rollouts = Counter((r["stage"], r["step"]) for r in rows(runs["two"], "rollouts"))
+    # problems x 2G per step, and the held-out problems x k for each evaluated checkpoint
+    drawn = 2 * 2 * small["rl.group_size"]
+    evaluated = pq.read_metadata(runs["two"] / "data" / "heldout.parquet").num_rows * small["eval.k"]
+    expected = {("stage1", 0): drawn, ("stage1", 1): drawn, ("eval-sft", 0): evaluated, ("eval-stage1", 0): evaluated}
+    assert rollouts == expected
+    assert {(r["step"], r["metric"]) for r in rows(runs["two"], "steps")} >= {(0, "reward_mean"), (1, "reward_mean")}
 
 
 def group_sizes(run_dir: Path) -> Counter:
@@ -292,6 +281,6 @@ def test_a_node_lost_for_good_stops_the_run_until_it_is_back(runs):
 
 
 def test_nothing_it_started_is_left_running(runs):
-    runs_dirs = [runs["two"], runs["one"]] + [run_dir for run_dir, _ in runs["faults"].values()]
+    runs_dirs = [runs["two"]] + [run_dir for run_dir, _ in runs["faults"].values()]
     pids = [pid for run_dir in runs_dirs for pid in placed_pids(run_dir)] + runs["ray_pids"]
     assert wait_gone(pids) == []

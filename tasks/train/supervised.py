@@ -92,7 +92,14 @@ def build_base_model(cfg: RunConfig, train: list[Problem], model_dir: Path, log:
             log({"pretrain/copy_exact": exact}, step)
             if exact >= tiny.pretrain_copy_until:
                 formed.append(step + 1)
-                print(f"copy drills: copying formed by step {step + 1} (fresh drills copied exactly: {exact:.2f})")
+                # The check ends the drills at its first pass, so the share it saw is the largest
+                # of noisy measurements: the same check on drills it never saw says what holds.
+                unseen = trainer.exact_match(copy_probe_samples(tokenizer, 64, cfg.seed + 13))
+                log({"pretrain/copy_exact_unseen": unseen}, step)
+                print(
+                    f"copy drills: copying formed by step {step + 1} (fresh drills copied exactly: {exact:.2f}; "
+                    f"unseen ones: {unseen:.2f})"
+                )
             return bool(formed)
 
         copy_steps = train_steps(
