@@ -23,6 +23,24 @@ def wait_gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:
     return left
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` now (Ray's head processes, actors, sandbox servers, cells)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def placed_pids(run_dir: Path) -> list[int]:
     """The processes of a run's actors (and of the sandbox servers they started), from the
     placement the run recorded."""

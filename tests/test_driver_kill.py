@@ -25,7 +25,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tasks.tracking.mlflow_log import EXPERIMENT, tracking_uri
-from tests.processes import placed_pids, wait_busy, wait_gone
+from tests.processes import descendants, placed_pids, wait_busy, wait_gone
 from tests.small_run import run_command, small_run, stage
 from tests.test_resume_pipeline import table_parts
 
@@ -51,24 +51,6 @@ def command(output_dir: Path, run_id: str) -> list[str]:
     # The small run's policy solves nothing yet: groups without signal still make an update (of
     # zero advantages), so that every step trains, checkpoints and syncs.
     return run_command(run_id, {**small_run(STAGES), "output_dir": str(output_dir), "rl.roc.drop_zero_signal": False})
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` now (Ray's head processes, actors, sandbox servers, cells)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def written_since(path: Path, since: float, victim: subprocess.Popen, content: str | None = None) -> None:

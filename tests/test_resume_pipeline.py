@@ -1,13 +1,29 @@
-"""Resume after a crash: SIGKILL the pipeline in the middle of an RL stage, run it again with the
-same run id, and check it against what its config implies for an uninterrupted run: every
-(stage, step) part of every table once, with all its rows and no duplicate keys, every
-checkpoint evaluated on every benchmark, and MLflow step histories with each step once. The
-killed attempt trains on 2 ranks and the resume on 1, as on a cluster that lost a node: the
-checkpoint's ZeRO state is re-partitioned. The run also evaluates the base model and a second
-benchmark in a public data set's layout (JSONL). About 3 minutes on two cores."""
+"""A run killed anywhere resumes to what its config implies. The pipeline (under rl.async one_step)
+is SIGKILLed at seeded points and run again with the same run id after each:
+
+- The first attempt trains on 2 ranks and dies after stage 1's first checkpoint, while it draws
+  the next step's rollouts ahead; the others resume on 1 rank, as on a cluster that lost a node:
+  the checkpoint's ZeRO state is re-partitioned.
+- Each later kill point is the k-th rollout an attempt keeps (k seeded), then a seeded moment
+  more, so kills land in a step's own rollouts, in the rollouts drawn ahead during an update, in
+  the update, the checkpoint and the weight push.
+
+Each rollout is kept as it finishes (tasks/store/inflight.py). After every kill the test reads
+what the dead attempt had kept; the finished run must hold each of those rollouts unchanged (the
+same response, drawn by the same policy version: not drawn again). The finished run has every
+(stage, step) part of every table once, with all its rows and no duplicate keys, every checkpoint
+evaluated on every benchmark (the base model's too, and a second benchmark in a public data set's
+layout, JSONL), and MLflow step histories with each step once. From the second attempt on, the
+engine and the trainer rank run on cores of their own (split placement), as rl.async means to run.
+
+Three kill points are part of `make test` (about 6 minutes on two cores); ten under the soak marker:
+
+    .venv/bin/python -m pytest -m soak tests/test_resume_pipeline.py -q -s
+"""
 
 import json
 import os
+import random
 import signal
 import subprocess
 import time
@@ -18,21 +34,32 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tasks.data.problems import generate_problems
+from tasks.store import inflight
 from tasks.tracking.mlflow_log import EXPERIMENT, tracking_uri
-from tests.processes import placed_pids, wait_gone
+from tests.processes import descendants, placed_pids, wait_gone
 from tests.small_run import run_command, small_run, stage
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = [stage("stage1", 3), stage("hard", 1, hard_only=True, difficulty_attempts=2, reset_optimizer=True)]
-SMALL = {**small_run(STAGES), "eval.base": True}
+STEPS = {3: 4, 10: 10}  # kill points -> stage 1's steps: enough rollouts for every kill to land
 CHECKPOINTS = ["base", "sft", "stage1", "hard"]
-
-
+RUN = {
+    "eval.base": True,
+    "rl.async": {"mode": "one_step"},
+    "rl.loss.is_cap": 2.0,
+    "rl.roc.drop_zero_signal": False,  # every step updates, so every step draws the next ahead
+    "cluster.placement": "split",
+    "trainer.threads": 1,
+}
 # Two ranks and their engine and sandbox: 4 logical CPUs for the local Ray on 2 cores.
 TWO_RANKS = {"trainer.ranks": 2, "cluster.num_cpus": 4}
 
 
-def command(output_dir: Path, run_id: str, placement: dict | None = None) -> list[str]:
+def config(steps: int) -> dict:
+    stages = [stage("stage1", steps), stage("hard", 1, hard_only=True, difficulty_attempts=2, reset_optimizer=True)]
+    return {**small_run(stages), **RUN}
+
+
+def command(output_dir: Path, steps: int, placement: dict | None = None) -> list[str]:
     # A benchmark in a public layout (JSONL, question/answer columns), from a disjoint seed.
     bench = output_dir / "mini-benchmark.jsonl"
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -43,13 +70,8 @@ def command(output_dir: Path, run_id: str, placement: dict | None = None) -> lis
         )
     )
     mini = {"name": "mini", "format": "jsonl", "path": str(bench), "problem": "question"}
-    return run_command(run_id, {**SMALL, "output_dir": str(output_dir), "data.benchmarks": [mini], **(placement or {})})
-
-
-def run(output_dir: Path, run_id: str, log: Path) -> None:
-    with log.open("ab") as out:
-        done = subprocess.run(command(output_dir, run_id), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=900)
-    assert done.returncode == 0, log.read_text()[-4000:]
+    overrides = {**config(steps), "output_dir": str(output_dir), "data.benchmarks": [mini], **(placement or {})}
+    return run_command("resume", overrides)
 
 
 def table_parts(run_dir: Path, table: str) -> dict[tuple, tuple[int, int]]:
@@ -79,47 +101,109 @@ def step_histories(output_dir: Path, run_id: str) -> list[tuple[str, list[int]]]
     )
 
 
-@pytest.mark.slow
-def test_a_killed_run_resumes_to_the_tables_of_an_uninterrupted_one(tmp_path) -> None:
-    output, log = tmp_path, tmp_path / "run.log"
+def kept_rollouts(run_dir: Path) -> dict[tuple[str, int, str, int], tuple[str, int]]:
+    """(stage, step, problem, sample) -> (response, version) of every rollout kept in flight now."""
+    kept = {}
+    for folder in (run_dir / "inflight").glob("*/step=*"):
+        stage_name, step = folder.parent.name, int(folder.name.split("=")[1])
+        for trajectory in inflight.finished(folder).values():
+            key = (stage_name, step, trajectory.problem_id, trajectory.sample)
+            kept[key] = (trajectory.response, trajectory.policy_version)
+    return kept
+
+
+def kept_since(run_dir: Path, since: float) -> int:
+    return sum(1 for p in (run_dir / "inflight").rglob("*.json") if p.stat().st_mtime >= since)
+
+
+@pytest.mark.parametrize(
+    "points", [pytest.param(3, marks=pytest.mark.slow), pytest.param(10, marks=[pytest.mark.slow, pytest.mark.soak])]
+)
+def test_a_run_killed_anywhere_resumes_to_what_its_config_implies(tmp_path, points) -> None:
+    rng, steps = random.Random(points), STEPS[points]
+    output, log_path = tmp_path, tmp_path / "run.log"
     run_dir = output / "runs" / "resume"
-    marker = run_dir / "steps" / "stage=stage1" / "step=0" / "part-0.parquet"
-    with log.open("wb") as out:
-        victim = subprocess.Popen(
-            command(output, "resume", TWO_RANKS), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    deadline = time.monotonic() + 600
-    while not marker.exists():
-        assert victim.poll() is None, log.read_text()[-4000:]
-        assert time.monotonic() < deadline, "the run never reached its first RL step"
-        time.sleep(0.2)
-    os.killpg(victim.pid, signal.SIGKILL)  # the flow and everything it started
-    victim.wait()
-    # Its local Ray shares the driver's fate: the actors, and the sandbox servers they started, go too.
-    assert wait_gone(placed_pids(run_dir)) == []
-    assert not (run_dir / "state" / "rl-stage1.json").exists()  # killed mid-stage
-    killed_walls = json.loads((run_dir / "state" / "wall.json").read_text())
-    run(output, "resume", log)  # on 1 rank
-    assert "resuming with a new placement (cluster.num_cpus, trainer.ranks)" in log.read_text()
-    assert "stage1: resuming at step 1 of 3" in log.read_text()
-    assert (
-        "checkpoint step-00000: saved by 2 ranks, loaded by 1 through DeepSpeed's universal format" in log.read_text()
+    first_checkpoint = run_dir / "steps" / "stage=stage1" / "step=0" / "part-0.parquet"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    started, snapshots, kills, victim, killed_walls = [], {}, [], None, None
+    began = time.monotonic()
+    try:
+        while len(kills) < points:
+            since, on_two_ranks = time.time(), not kills
+            with log_path.open("ab") as log:
+                victim = subprocess.Popen(
+                    command(output, steps, TWO_RANKS if on_two_ranks else None),
+                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                )  # fmt: skip
+            k, delay = rng.randint(1, 4), rng.uniform(0, 1.5)
+            deadline = time.monotonic() + 600
+            while victim.poll() is None and not (
+                (first_checkpoint.exists() or not on_two_ranks)
+                and (run_dir / "inflight").exists()
+                and kept_since(run_dir, since) >= k
+            ):
+                assert time.monotonic() < deadline, "the attempt reached no kill point in 10 minutes"
+                time.sleep(0.02)
+            if victim.poll() is not None:  # it finished before this kill point
+                break
+            time.sleep(delay)
+            started += descendants(victim.pid) + placed_pids(run_dir)
+            os.killpg(victim.pid, signal.SIGKILL)  # the flow and everything it started
+            victim.wait()
+            snapshots.update(kept_rollouts(run_dir))
+            kills.append((k, round(delay, 2)))
+            if on_two_ranks:
+                assert not (run_dir / "state" / "rl-stage1.json").exists()  # killed mid-stage
+                killed_walls = json.loads((run_dir / "state" / "wall.json").read_text())
+        if victim.returncode is None or victim.returncode < 0:  # the last one was killed: finish the run
+            with log_path.open("ab") as log:
+                done = subprocess.run(
+                    command(output, steps), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900
+                )
+            assert done.returncode == 0, log_path.read_text()[-4000:]
+        assert victim.returncode in (0, -signal.SIGKILL), log_path.read_text()[-4000:]
+    finally:
+        if victim is not None and victim.poll() is None:
+            os.killpg(victim.pid, signal.SIGKILL)
+
+    text = log_path.read_text()
+    assert "resuming with a new placement (cluster.num_cpus, trainer.ranks)" in text
+    assert f"stage1: resuming at step 1 of {steps}" in text
+    assert "checkpoint step-00000: saved by 2 ranks, loaded by 1 through DeepSpeed's universal format" in text
+
+    # No finished rollout drawn again, every (problem, sample) of every step once, one_step's lag.
+    rows = duckdb.sql(
+        f"SELECT stage, step, problem_id, sample, response, generated_version, trained_version "
+        f"FROM read_parquet('{run_dir}/rollouts/*/*/*.parquet', hive_partitioning = true) "
+        f"WHERE stage IN ('stage1', 'hard')"
+    ).fetchall()
+    final = {(name, step, p, s): (response, gen) for name, step, p, s, response, gen, _ in rows}
+    redrawn = sorted(key for key, kept in snapshots.items() if final.get(key) != kept)
+    print(
+        f"{len(kills)} kills (k-th kept rollout, delay s) {kills}; {len(snapshots)} finished rollouts in flight at "
+        f"the kills, {len(redrawn)} drawn again; {time.monotonic() - began:.0f} s"
     )
-    assert wait_gone(placed_pids(run_dir)) == []
+    assert len(kills) == points, f"the run finished after {len(kills)} of {points} kill points"
+    assert snapshots, "no kill found a finished rollout in flight"
+    assert redrawn == []
+    assert len(rows) == len(final)
+    assert all(trained - gen in (0, 1) for *_, gen, trained in rows)  # one_step: at most one version behind
+    assert sum(trained - gen for *_, gen, trained in rows) > 0  # and drawn ahead, at least once
+    assert not (run_dir / "inflight").exists()
 
     # Every part an uninterrupted run writes, with all its rows, once: problems_per_step x 2G
     # rollouts per RL step, the held-out problems and the benchmark's x k per evaluation.
+    small = config(steps)
     heldout = duckdb.sql(f"SELECT count(*) FROM '{run_dir}/data/heldout.parquet'").fetchall()[0][0]
-    drawn, k = 2 * 2 * SMALL["rl.group_size"], SMALL["eval.k"]
-    rollouts = table_parts(run_dir, "rollouts")
-    assert rollouts == {
-        **{(name, step): (drawn, drawn) for name, steps in (("stage1", 3), ("hard", 1)) for step in range(steps)},
+    drawn, k = 2 * 2 * small["rl.group_size"], small["eval.k"]
+    assert table_parts(run_dir, "rollouts") == {
+        **{(name, step): (drawn, drawn) for name, n in (("stage1", steps), ("hard", 1)) for step in range(n)},
         **{(f"eval-{c}", 0): (heldout * k, heldout * k) for c in CHECKPOINTS},
         **{(f"eval-{c}-mini", 0): (3 * k, 3 * k) for c in CHECKPOINTS},
     }
-    steps = table_parts(run_dir, "steps")  # (which metrics a step has depends on whether it updated)
-    assert steps.keys() == {("stage1", 0), ("stage1", 1), ("stage1", 2), ("hard", 0)}
-    assert all(rows == keys for rows, keys in steps.values())  # no metric twice
+    parts = table_parts(run_dir, "steps")  # (which metrics a step has depends on whether it updated)
+    assert parts.keys() == {*(("stage1", step) for step in range(steps)), ("hard", 0)}
+    assert all(rows == keys for rows, keys in parts.values())  # no metric twice
     evaluations = duckdb.sql(
         f"SELECT checkpoint, benchmark, problems, k, pass_at_1 FROM "
         f"read_parquet('{run_dir}/evaluations/*/*/*.parquet') ORDER BY ALL"
@@ -131,11 +215,16 @@ def test_a_killed_run_resumes_to_the_tables_of_an_uninterrupted_one(tmp_path) ->
     markdown = (run_dir / "summary.md").read_text()
     assert "| checkpoint | heldout pass@1 | mini pass@1 |" in markdown
     assert all(f"| {c} | " in markdown for c in CHECKPOINTS)
-    # One MLflow run per stage, reopened by the resume, each RL step's metrics once
+    # One MLflow run per stage, reopened by each resume, each RL step's metrics once
     histories = step_histories(output, "resume")
-    assert histories == [("base", []), ("hard", [0]), ("parent", []), ("sft", []), ("stage1", [0, 1, 2])]
+    assert histories == [("base", []), ("hard", [0]), ("parent", []), ("sft", []), ("stage1", list(range(steps)))]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [row["stage"] for row in summary["stages"]] == ["curate", "base model", "sft", "stage1", "hard"]
-    # the base model, built by the killed attempt and skipped by the second, keeps its build time
+    # the base model, built by the first attempt and skipped by the others, keeps its build time
     walls = {row["stage"]: row["wall s"] for row in summary["stages"]}
     assert walls["base model"] >= round(killed_walls["base model"], 1) > 0
+
+    cores = {a["role"]: set(a["cores"]) for a in json.loads((run_dir / "placement.json").read_text())["actors"]}
+    if len(os.sched_getaffinity(0)) > 1:
+        assert cores["engine"] and cores["trainer"] and not cores["engine"] & cores["trainer"], cores
+    assert wait_gone(started + placed_pids(run_dir)) == []
