@@ -1,10 +1,10 @@
 """The Prefect UI workflow for real: `scripts/services.sh start` starts a Prefect server, a worker
 and the MLflow UI on loopback and deploys prefect.yaml; the deployments are triggered with
 parameters through the API (what the UI's Custom run form sends) and must complete: the stage
-deployment runs the first RL stage of a new run, the pipeline deployment finishes that run (the
-first stage not redone), the evaluate deployment evaluates its last stage again with another k;
-a deployment run whose driver is SIGKILLed shows as Crashed (its heartbeats stop) and the UI's
-Retry resumes it; `stop` ends every service. About 9 minutes on two cores."""
+deployment runs the first RL stage of a new run; the pipeline deployment finishes that run (the
+first stage not redone), its driver SIGKILLed on the way: the run shows as Crashed (its heartbeats
+stop) and the UI's Retry resumes it; the evaluate deployment evaluates its last stage again with
+another k; `stop` ends every service. About 7 minutes on two cores."""
 
 import os
 import signal
@@ -19,7 +19,7 @@ from prefect.states import AwaitingRetry
 
 from tasks.store.tables import partition, read_table
 from tests.browser import _free_port
-from tests.processes import placed_pids, wait_for, wait_gone
+from tests.processes import placed_pids, wait_gone, wait_until
 from tests.small_run import small_run, stage
 
 pytestmark = pytest.mark.slow  # starts engines or trains
@@ -96,7 +96,32 @@ def test_pipeline_deployment_runs_from_the_api(tmp_path) -> None:
             _run_deployment(client, "rstar2-pipeline/tiny-stage", {**parameters, "stages": ["stage1"]}, worker_log)
             assert sorted(p.name for p in (run_dir / "models").iterdir()) == ["base", "sft", "stage1"]
             stage1_steps = (run_dir / "steps" / "stage=stage1" / "step=0" / "part-0.parquet").stat().st_mtime_ns
-            _run_deployment(client, "rstar2-pipeline/tiny", parameters, worker_log)
+            sft_done = (run_dir / "state" / "sft.json").stat().st_mtime_ns
+            # The pipeline deployment finishes the run. Its worker and driver are SIGKILLed once its
+            # actors are up, as when their machine is lost: nothing reports the end, so the
+            # heartbeats' automation marks the run Crashed; once a worker is back, the UI's Retry
+            # resumes the run.
+            tiny = client.read_deployment_by_name("rstar2-pipeline/tiny")
+            placed_before = (run_dir / "placement.json").stat().st_mtime_ns
+            flow_run = client.create_flow_run_from_deployment(tiny.id, parameters=parameters)
+            wait_until(lambda: (run_dir / "placement.json").stat().st_mtime_ns > placed_before, "actors placed")
+            driver, worker = _driver(flow_run.id), int((tmp_path / "services" / "prefect-worker.pid").read_text())
+            os.kill(worker, signal.SIGKILL)
+            os.kill(driver, signal.SIGKILL)
+            assert not wait_gone([worker, driver])
+            killed_at = time.monotonic()
+            crashed = _wait_state(client, flow_run.id, lambda s: s.is_crashed(), "SIGKILLed driver", 300)
+            crash_s = time.monotonic() - killed_at
+            assert "heartbeat" in crashed.message, crashed
+            assert not wait_gone(placed_pids(run_dir))  # its actors and sandboxes went with it
+            restarted = subprocess.run([str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=600)
+            assert restarted.returncode == 0, restarted.stderr
+            client.set_flow_run_state(flow_run.id, AwaitingRetry(message="Retry from the UI"), force=True)
+            resumed = _wait_state(client, flow_run.id, lambda s: s.is_final(), "retried run", 600)
+            assert resumed.is_completed(), (resumed, worker_log.read_text()[-3000:])
+            print(f"crashed {crash_s:.0f} s after its driver was killed")
+            # Neither the killed attempt nor the retry redid what the stage deployment had done.
+            assert (run_dir / "state" / "sft.json").stat().st_mtime_ns == sft_done
             assert (run_dir / "steps" / "stage=stage1" / "step=0" / "part-0.parquet").stat().st_mtime_ns == stage1_steps
             assert (run_dir / "models" / "stage2" / "config.json").exists()
             schema = client.read_deployment_by_name("rstar2-evaluate/evaluate").parameter_openapi_schema
@@ -113,32 +138,6 @@ def test_pipeline_deployment_runs_from_the_api(tmp_path) -> None:
                 },
                 worker_log,
             )
-            # The worker and the driver SIGKILLed mid-run, as when their machine is lost: nothing
-            # reports the end, so the heartbeats' automation marks the run Crashed; once a worker
-            # is back, the UI's Retry resumes the run.
-            killed = {**parameters, "run_id": "killed"}
-            tiny = client.read_deployment_by_name("rstar2-pipeline/tiny")
-            flow_run = client.create_flow_run_from_deployment(tiny.id, parameters=killed)
-            killed_dir = outputs / "runs" / "killed"
-            wait_for(killed_dir / "state" / "sft.json")
-            sft_done = (killed_dir / "state" / "sft.json").stat().st_mtime_ns
-            driver, worker = _driver(flow_run.id), int((tmp_path / "services" / "prefect-worker.pid").read_text())
-            os.kill(worker, signal.SIGKILL)
-            os.kill(driver, signal.SIGKILL)
-            assert not wait_gone([worker, driver])
-            killed_at = time.monotonic()
-            crashed = _wait_state(client, flow_run.id, lambda s: s.is_crashed(), "SIGKILLed driver", 300)
-            crash_s = time.monotonic() - killed_at
-            assert "heartbeat" in crashed.message, crashed
-            assert not wait_gone(placed_pids(killed_dir))  # its actors and sandboxes went with it
-            restarted = subprocess.run([str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=600)
-            assert restarted.returncode == 0, restarted.stderr
-            client.set_flow_run_state(flow_run.id, AwaitingRetry(message="Retry from the UI"), force=True)
-            resumed = _wait_state(client, flow_run.id, lambda s: s.is_final(), "retried run", 600)
-            assert resumed.is_completed(), (resumed, worker_log.read_text()[-3000:])
-            assert (killed_dir / "state" / "sft.json").stat().st_mtime_ns == sft_done  # not redone
-            assert (killed_dir / "models" / "stage2" / "config.json").exists()
-            print(f"crashed {crash_s:.0f} s after its driver was killed")
         assert (run_dir / "summary.json").exists()
         evaluation = read_table(partition(run_dir, "evaluations", checkpoint="stage2-k4", benchmark="heldout"))
         assert [(row["checkpoint"], row["k"], row["problems"]) for row in evaluation] == [("stage2-k4", 4, 4)]

@@ -1,18 +1,17 @@
 """Two Ray nodes on one machine: a "GPU" node (custom resource gpu_node) holding 2 trainer ranks
 and 2 engines, and a "CPU" node (cpu_node) holding 2 sandbox replicas. A short pipeline (one RL
-stage of 2 steps) runs on them, on 127.0.0.1 only; its tables have the schemas the store declares
-and the rows its config implies (a one-node local Ray with 2 ranks is tests/test_resume_pipeline.py's).
-
-The same pipeline runs again on the two nodes with a fault injected into the real processes at a
-seeded moment, each compared with the uninterrupted run (tables: rows, unique keys, group sizes;
-MLflow step histories); a dead engine and sandbox replica are tests/test_two_hosts.py's fault:
+stage of 2 steps) runs on them, on 127.0.0.1 only, with faults injected into the real processes at
+seeded moments. Each run is checked against what its config implies (tables: the schemas the
+store declares, every part once with all its rows, every group whole; MLflow step histories with
+each step once); a one-node local Ray with 2 ranks is tests/test_resume_pipeline.py's, a dead
+engine and sandbox replica tests/test_two_hosts.py's:
 - a trainer rank SIGKILLed in step 1's update: the attempt fails naming the rank, and Prefect's
   retry goes on from step 0's checkpoint;
 - the CPU node removed after step 0: its sandbox replicas come back on the node that is left;
 - a node holding the only engines removed after step 0: the run stops with the plan's error, and
   once a node is back, the same run id goes on from step 0's checkpoint.
 
-Run: .venv/bin/python -m pytest tests/test_two_nodes.py -q   (about 10 minutes on 2 cores)
+Run: .venv/bin/python -m pytest tests/test_two_nodes.py -q   (about 8 minutes on 2 cores)
 """
 
 import asyncio
@@ -109,9 +108,9 @@ def run_with(fault, run_id: str, on_cluster: dict, root: Path, *args) -> tuple[P
     run_dir = root / "runs" / run_id
     injector = threading.Thread(target=fault, args=(*args, run_dir, random.Random(run_id), log), daemon=True)
     injector.start()
-    with prefect_test_harness():
-        pipeline(config=str(CONFIG), run_id=run_id, overrides=on_cluster)
-        attempts = asyncio.run(cluster_attempts())
+    before = asyncio.run(retried())
+    pipeline(config=str(CONFIG), run_id=run_id, overrides=on_cluster)
+    attempts = attempts_since(before)
     injector.join(timeout=10)
     return run_dir, log + attempts
 
@@ -127,30 +126,35 @@ def stopped_until_the_node_is_back(cluster: Cluster, on_cluster: dict, root: Pat
         target=remove_node, args=(cluster, node, run_dir, random.Random("node-gone"), log), daemon=True
     )
     injector.start()
-    with prefect_test_harness():
-        try:
-            pipeline(config=str(CONFIG), run_id="node-gone", overrides=pinned)
-            stopped = "the run did not stop"
-        except Exception as error:
-            stopped = f"{type(error).__name__}: {error}"
-        log += asyncio.run(cluster_attempts())
+    before = asyncio.run(retried())
+    try:
+        pipeline(config=str(CONFIG), run_id="node-gone", overrides=pinned)
+        stopped = "the run did not stop"
+    except Exception as error:
+        stopped = f"{type(error).__name__}: {error}"
+    log += attempts_since(before)
     injector.join(timeout=10)
     cluster.add_node(num_cpus=1, resources={"engine_node": 2})
-    with prefect_test_harness():
-        pipeline(config=str(CONFIG), run_id="node-gone", overrides=pinned)
+    pipeline(config=str(CONFIG), run_id="node-gone", overrides=pinned)
     return run_dir, [*log, stopped]
 
 
-async def cluster_attempts() -> list[str]:
-    """Why each attempt of the on-cluster subflow failed, as Prefect recorded it before retrying."""
+async def retried() -> dict:
+    """Each on-cluster subflow run so far -> why each of its attempts failed, as Prefect recorded
+    it before retrying."""
     async with get_client() as client:
         runs = await client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["on-cluster"])))
-        return [
-            state.message
+        return {
+            run.id: [
+                state.message for state in await client.read_flow_run_states(run.id) if state.name == "AwaitingRetry"
+            ]
             for run in runs
-            for state in await client.read_flow_run_states(run.id)
-            if state.name == "AwaitingRetry"
-        ]
+        }
+
+
+def attempts_since(before: dict) -> list[str]:
+    """The failed attempts of the on-cluster runs started since `before` (one run at a time here)."""
+    return [message for run, messages in asyncio.run(retried()).items() if run not in before for message in messages]
 
 
 @pytest.fixture(scope="module")
@@ -172,19 +176,18 @@ def runs(tmp_path_factory):
             for info in processes
         ]
         on_cluster = {**overrides(root), **ON_NODES, "cluster.address": cluster.address}
-        with prefect_test_harness():
-            two = pipeline(config=str(CONFIG), run_id="two-nodes", overrides=on_cluster)
-        assert not ray.is_initialized()  # the run disconnected; the cluster is still up
-        assert all(alive(pid) for pid in ray_pids)
-        faults["rank"] = run_with(kill_rank, "rank-dies", on_cluster, root)
-        # Sandboxes that may live on any node: the ones on the CPU node can move when it goes.
-        movable = {**on_cluster, "sandbox.resources": {}}
-        faults["node"] = run_with(remove_node, "node-lost", movable, root, cluster, cpu_node)
-        faults["gone"] = stopped_until_the_node_is_back(cluster, movable, root)  # (the CPU node is gone)
+        with prefect_test_harness(server_startup_timeout=180):
+            faults["rank"] = run_with(kill_rank, "two-nodes", on_cluster, root)
+            assert not ray.is_initialized()  # the run disconnected; the cluster is still up
+            assert all(alive(pid) for pid in ray_pids)
+            # Sandboxes that may live on any node: the ones on the CPU node can move when it goes.
+            movable = {**on_cluster, "sandbox.resources": {}}
+            faults["node"] = run_with(remove_node, "node-lost", movable, root, cluster, cpu_node)
+            faults["gone"] = stopped_until_the_node_is_back(cluster, movable, root)  # (the CPU node is gone)
     finally:
         cluster.shutdown()
     return {
-        "two": Path(two["run_dir"]),
+        "two": faults["rank"][0],
         "node_ids": node_ids,
         "addresses": addresses,
         "ray_pids": ray_pids,
@@ -219,18 +222,10 @@ def test_ranks_agree_and_engines_follow_the_trainer_after_every_step(runs):
     assert len(spread) == len(losses) >= 2 and {m.value for m in spread} == {0.0}
 
 
-def test_tables_have_the_declared_schemas_and_the_rows_the_config_implies(runs):
+def test_tables_have_the_declared_schemas(runs):
     for table, schema in (("rollouts", store.ROLLOUTS), ("steps", store.STEPS)):
         parts = sorted((runs["two"] / table).rglob("*.parquet"))
         assert parts and all(pq.read_schema(p).remove_metadata().equals(schema) for p in parts), table
-    small = overrides(runs["two"].parents[1])
-    rollouts = Counter((r["stage"], r["step"]) for r in rows(runs["two"], "rollouts"))
-    # problems x 2G per step, and the held-out problems x k for each evaluated checkpoint
-    drawn = 2 * 2 * small["rl.group_size"]
-    evaluated = pq.read_metadata(runs["two"] / "data" / "heldout.parquet").num_rows * small["eval.k"]
-    expected = {("stage1", 0): drawn, ("stage1", 1): drawn, ("eval-sft", 0): evaluated, ("eval-stage1", 0): evaluated}
-    assert rollouts == expected
-    assert {(r["step"], r["metric"]) for r in rows(runs["two"], "steps")} >= {(0, "reward_mean"), (1, "reward_mean")}
 
 
 def group_sizes(run_dir: Path) -> Counter:
@@ -241,30 +236,38 @@ def step_metric(run_dir: Path, metric: str) -> dict[int, float]:
     return {r["step"]: r["value"] for r in rows(run_dir, "steps") if r["metric"] == metric}
 
 
-def assert_same_as_uninterrupted(runs, run_dir: Path) -> None:
-    reference = runs["two"]
-    assert table_parts(run_dir, "rollouts") == table_parts(reference, "rollouts")  # rows = unique keys per part
-    assert all(rows == keys for rows, keys in table_parts(run_dir, "rollouts").values())
-    assert group_sizes(run_dir) == group_sizes(reference)
-    assert table_parts(run_dir, "steps").keys() == table_parts(reference, "steps").keys()
-    assert all(rows == keys for rows, keys in table_parts(run_dir, "steps").values())
-    evaluations = sorted(p.name for p in (run_dir / "evaluations").rglob("*.parquet"))
-    assert evaluations == sorted(p.name for p in (reference / "evaluations").rglob("*.parquet"))
-    output = reference.parents[1]
-    assert step_histories(output, run_dir.name) == step_histories(output, reference.name)
+def assert_as_config_implies(run_dir: Path) -> None:
+    """Every part an uninterrupted run writes, once, with all its rows and every group whole:
+    problems x 2G per RL step, the held-out problems x k per evaluated checkpoint; each RL step
+    recorded, and in MLflow once."""
+    small = overrides(run_dir.parents[1])
+    heldout = pq.read_metadata(run_dir / "data" / "heldout.parquet").num_rows
+    group, k = 2 * small["rl.group_size"], small["eval.k"]
+    parts = {("stage1", 0): 2 * group, ("stage1", 1): 2 * group, ("eval-sft", 0): heldout * k}
+    parts[("eval-stage1", 0)] = heldout * k
+    assert table_parts(run_dir, "rollouts") == {part: (n, n) for part, n in parts.items()}  # rows = unique keys
+    sizes = {name: {size for (stage, _, _), size in group_sizes(run_dir).items() if stage == name} for name, _ in parts}
+    assert sizes == {"stage1": {group}, "eval-sft": {k}, "eval-stage1": {k}}
+    steps = table_parts(run_dir, "steps")
+    assert steps.keys() == {("stage1", 0), ("stage1", 1)} and all(rows == keys for rows, keys in steps.values())
+    assert {(r["step"], r["metric"]) for r in rows(run_dir, "steps")} >= {(0, "reward_mean"), (1, "reward_mean")}
+    evaluations = sorted(p.parent.parent.name for p in (run_dir / "evaluations").rglob("*.parquet"))
+    assert evaluations == ["checkpoint=sft", "checkpoint=stage1"]
+    histories = step_histories(run_dir.parents[1], run_dir.name)
+    assert histories == [("base", []), ("parent", []), ("sft", []), ("stage1", [0, 1])]
 
 
 def test_a_dead_trainer_rank_costs_a_retry_from_the_last_checkpoint(runs):
     run_dir, log = runs["faults"]["rank"]
     assert log[0] == "trainer 1" and len(log) == 2, log  # one failed attempt, then a retry that finished
     assert "RankDied: trainer rank 1 on node " in log[1] and "(127.0.0.1)" in log[1], log[1]
-    assert_same_as_uninterrupted(runs, run_dir)
+    assert_as_config_implies(run_dir)
 
 
 def test_a_lost_node_costs_its_actors_a_move(runs):
     run_dir, log = runs["faults"]["node"]
     assert log == ["node removed"]
-    assert_same_as_uninterrupted(runs, run_dir)
+    assert_as_config_implies(run_dir)
     actors = json.loads((run_dir / "placement.json").read_text())["actors"]
     moved = [a["index"] for a in actors if a["role"] == "sandbox" and a["node_id"] == runs["node_ids"]["cpu"]]
     assert moved, actors  # a replica was on the node that went
@@ -277,10 +280,10 @@ def test_a_node_lost_for_good_stops_the_run_until_it_is_back(runs):
     assert len(log) == 3 and log[0] == "node removed", log
     assert "every engine is gone" in log[1], log[1]  # the attempt that lost them; its retry:
     assert log[2].startswith("PlanError: ") and "engine_node" in log[2], log[2]
-    assert_same_as_uninterrupted(runs, run_dir)
+    assert_as_config_implies(run_dir)
 
 
 def test_nothing_it_started_is_left_running(runs):
-    runs_dirs = [runs["two"]] + [run_dir for run_dir, _ in runs["faults"].values()]
+    runs_dirs = [run_dir for run_dir, _ in runs["faults"].values()]
     pids = [pid for run_dir in runs_dirs for pid in placed_pids(run_dir)] + runs["ray_pids"]
     assert wait_gone(pids) == []
