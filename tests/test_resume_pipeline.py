@@ -16,7 +16,8 @@ evaluated on every benchmark (the base model's too, and a second benchmark in a 
 layout, JSONL), and MLflow step histories with each step once. From the second attempt on, the
 engine and the trainer rank run on cores of their own (split placement), as rl.async means to run.
 
-Three kill points are part of `make test` (about 6 minutes on two cores); ten under the soak marker:
+Three kill points are part of `make test` (about 7 minutes on two cores: 425-450 s measured); ten
+under the soak marker:
 
     .venv/bin/python -m pytest -m soak tests/test_resume_pipeline.py -q -s
 """

@@ -243,8 +243,12 @@ def assert_as_config_implies(run_dir: Path) -> None:
     small = overrides(run_dir.parents[1])
     heldout = pq.read_metadata(run_dir / "data" / "heldout.parquet").num_rows
     group, k = 2 * small["rl.group_size"], small["eval.k"]
-    parts = {("stage1", 0): 2 * group, ("stage1", 1): 2 * group, ("eval-sft", 0): heldout * k}
-    parts[("eval-stage1", 0)] = heldout * k
+    parts = {
+        ("stage1", 0): 2 * group,
+        ("stage1", 1): 2 * group,
+        ("eval-sft", 0): heldout * k,
+        ("eval-stage1", 0): heldout * k,
+    }
     assert table_parts(run_dir, "rollouts") == {part: (n, n) for part, n in parts.items()}  # rows = unique keys
     sizes = {name: {size for (stage, _, _), size in group_sizes(run_dir).items() if stage == name} for name, _ in parts}
     assert sizes == {"stage1": {group}, "eval-sft": {k}, "eval-stage1": {k}}
