@@ -68,17 +68,20 @@ def test_copy_drills_and_their_probe(tmp_path):
         assert text == f"Repeat: {copy}\n{target}" and target == copy + "\n"  # the copy and where it ends
 
 
-@pytest.mark.parametrize("layout", ["plain", "tool_call", "chat"])
+@pytest.mark.parametrize("layout", ["plain", "tool_call", "user_turn", "chat"])
 def test_pretraining_documents_in_each_layout(layout):
     from tasks.config import PretrainLayouts
     from tasks.data.pretrain import pretraining_documents
 
-    only = PretrainLayouts(**{name: float(name == layout) for name in ("plain", "tool_call", "chat")})
+    only = PretrainLayouts(**{name: float(name == layout) for name in ("plain", "tool_call", "user_turn", "chat")})
     documents = pretraining_documents(30, [1, 2], 5, only, "run_python", "compact")
     assert len(documents) == 30
     for document in documents:
         assert ("<|im_start|>system" in document) == (layout == "chat")
         assert ("<tool_call>" in document) == (layout != "plain")
+    if layout == "user_turn":  # the rollout's turns without a system prompt, a tool response or an answer
+        assert all(d.startswith("<|im_start|>user\n") and d.endswith("</tool_call><|im_end|>\n") for d in documents)
+        assert not any("<tool_response>" in d or "boxed" in d for d in documents)
     if layout == "chat":  # tool tasks (never RL kinds: tests/test_sft_data.py), the whole transcript
         assert all(d.count("<tool_response>") == 1 and "The answer is \\boxed{" in d for d in documents)
 

@@ -17,11 +17,13 @@ class PretrainLayouts(_Strict):
 
     plain: float = Field(1.0, ge=0.0)  # `question\nprogram`, RL kinds
     tool_call: float = Field(0.0, ge=0.0)  # `question\n<tool_call>{... program ...}</tool_call>`, RL kinds
+    # the question as a user turn, the call as the assistant's (no system prompt, output or answer), RL kinds
+    user_turn: float = Field(0.0, ge=0.0)
     chat: float = Field(0.0, ge=0.0)  # whole rollout-format transcripts of tool tasks, never RL kinds
 
     @model_validator(mode="after")
     def _some_layout(self) -> PretrainLayouts:
-        if self.plain + self.tool_call + self.chat <= 0:
+        if self.plain + self.tool_call + self.user_turn + self.chat <= 0:
             raise ValueError("at least one layout needs a share above 0")
         return self
 

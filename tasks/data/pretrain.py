@@ -20,7 +20,7 @@ from tasks.data.chat_examples import tool_call_example
 from tasks.data.problems import problem_statements
 from tasks.data.tool_tasks import tool_tasks
 from tasks.records import Sample
-from tasks.rollout.format import tool_call_text
+from tasks.rollout.format import IM_END, tool_call_text, user_turn_text
 
 
 def copy_documents(n: int, seed: int) -> list[str]:
@@ -39,11 +39,12 @@ def pretraining_documents(
     n: int, levels: list[int], seed: int, layouts: PretrainLayouts, tool_name: str, tool_spec: str
 ) -> list[str]:
     """n documents, each layout drawn by its share: problem statements of the RL kinds followed by
-    their program as plain text or as a bare tool call, and whole rollout-format transcripts of
-    tool tasks that are not RL kinds (so the chat form is not new to the model, while the RL
-    kinds never appear in it)."""
+    their program as plain text, as a bare tool call, or as the assistant's call after the question
+    in a user turn (the rollout's turns, without system prompt, output or answer), and whole
+    rollout-format transcripts of tool tasks that are not RL kinds (so the chat form is not new to
+    the model, while no RL problem appears with its output or answer)."""
     rng = random.Random(seed)
-    names = ["plain", "tool_call", "chat"]
+    names = ["plain", "tool_call", "user_turn", "chat"]
     drawn = rng.choices(names, weights=[getattr(layouts, name) for name in names], k=n)
     statements = problem_statements(sum(layout != "chat" for layout in drawn), levels, seed)
     documents = []
@@ -53,7 +54,10 @@ def pretraining_documents(
             documents.append("".join(text for text, _ in transcript))
             continue
         _, _, question, code = next(statements)
-        documents.append(f"{question}\n{code if layout == 'plain' else tool_call_text(tool_name, code)}\n")
+        if layout == "user_turn":
+            documents.append(f"{user_turn_text(question)}{tool_call_text(tool_name, code)}{IM_END}\n")
+        else:
+            documents.append(f"{question}\n{code if layout == 'plain' else tool_call_text(tool_name, code)}\n")
     return documents
 
 
