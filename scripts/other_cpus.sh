@@ -41,7 +41,11 @@ for a in "${aten[@]}"; do
             name="ATEN_CPU_CAPABILITY=$a MKL_CBWR=$m ONEDNN_MAX_CPU_ISA=$o"
             log="$logs/$a-$m-$o.log"
             start=$SECONDS
+            # Compile caches of its own: vLLM's is keyed by model and config, not by the ISA, so code
+            # Inductor generated under avx2 would be compiled again under default, and fail.
+            cache="$logs/cache/$a-$m-$o"
             if ATEN_CPU_CAPABILITY=$a MKL_CBWR=$m ONEDNN_MAX_CPU_ISA=$o OMP_NUM_THREADS=1 \
+                TORCHINDUCTOR_CACHE_DIR="$cache/inductor" VLLM_CACHE_ROOT="$cache/vllm" \
                 "$PYTHON" -m pytest -q -p no:cacheprovider -s -m "soak or not soak" "$@" >"$log" 2>&1; then
                 verdict=pass
             else
