@@ -41,8 +41,8 @@ for a in "${aten[@]}"; do
             name="ATEN_CPU_CAPABILITY=$a MKL_CBWR=$m ONEDNN_MAX_CPU_ISA=$o"
             log="$logs/$a-$m-$o.log"
             start=$SECONDS
-            # Compile caches of its own: shared, kernels Inductor generated under avx2 were reused
-            # under default, whose build lacks AVX2's headers, and failed to compile.
+            # Compile caches of its own: with shared ones, kernels Inductor generated under avx2
+            # were reused under default, whose build lacks AVX2's headers, and failed to compile.
             cache="$logs/cache/$a-$m-$o"
             if ATEN_CPU_CAPABILITY=$a MKL_CBWR=$m ONEDNN_MAX_CPU_ISA=$o OMP_NUM_THREADS=1 \
                 TORCHINDUCTOR_CACHE_DIR="$cache/inductor" VLLM_CACHE_ROOT="$cache/vllm" \
