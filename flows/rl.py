@@ -41,13 +41,13 @@ def rl_step(
     rejoined = rejoin_engines(runtime)
     batch_problems = sample_problems(problems, stage.problems_per_step, cfg.seed, stage.name, step)
     rollouts = roll_out_step(runtime, ctx, cfg, stage, step, batch_problems)
-    ahead = start_rolling_ahead(runtime, ctx, cfg, stage, step, problems)  # rl.async: the next steps, meanwhile
-    rollouts = score(runtime, rollouts)
-    batch = select_batch(cfg, rollouts, stage.name, step)
-    write_rollouts(ctx.run_id, ctx.run_dir, stage.name, step, rollouts, batch.kept, batch.advantages, step)
-    update = update_policy(runtime, batch, cfg, stage)
-    update |= checkpoint(runtime, ctx, stage.name, step, cfg.rl.checkpoint_keep)
-    update |= finish_rolling_ahead(ahead)
+    with start_rolling_ahead(runtime, ctx, cfg, stage, step, problems) as ahead:  # rl.async: the next steps
+        rollouts = score(runtime, rollouts)
+        batch = select_batch(cfg, rollouts, stage.name, step)
+        write_rollouts(ctx.run_id, ctx.run_dir, stage.name, step, rollouts, batch.kept, batch.advantages, step)
+        update = update_policy(runtime, batch, cfg, stage)
+        update |= checkpoint(runtime, ctx, stage.name, step, cfg.rl.checkpoint_keep)
+        update |= finish_rolling_ahead(ahead)
     update |= sync_weights(runtime, batch, rejoined)
     return record_step(ctx, stage_run, stage, step, rollouts, batch, update, clock, runtime)
 

@@ -48,20 +48,19 @@ def begin_step(runtime: Runtime) -> StepClock:
 @task(cache_policy=NO_CACHE)
 def start_rolling_ahead(
     runtime: Runtime, ctx: RunContext, cfg: RunConfig, stage: StageConfig, step: int, problems: list[Problem]
-) -> RollingAhead | None:
+) -> RollingAhead:
     """Under rl.async, the engines start drawing the next steps' rollouts of `problems` on the
     weights they hold as soon as this step's are drawn, while the step is scored, selected,
-    written, updated and checkpointed; None when it is off."""
-    if cfg.rl.overlap.mode == "off":
-        return None
+    written, updated and checkpointed. Used as a context: if that work fails, the drawing stops
+    before the error leaves the step."""
     return RollingAhead(runtime, ctx, cfg, stage, step, problems)
 
 
 @task(cache_policy=NO_CACHE)
-def finish_rolling_ahead(ahead: RollingAhead | None) -> dict:
+def finish_rolling_ahead(ahead: RollingAhead) -> dict:
     """The step's update and checkpoint are done: no more rollouts start, those in flight finish;
     what they drew."""
-    return ahead.finish() if ahead is not None else {}
+    return ahead.finish()
 
 
 @task(cache_policy=NO_CACHE)

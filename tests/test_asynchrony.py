@@ -46,9 +46,9 @@ def trajectory(problem: str, sample: int, version: int) -> Trajectory:
 def test_rollouts_older_than_the_limit_or_newer_than_the_update_are_dropped() -> None:
     finished = {i: trajectory("p", i, v) for i, v in enumerate([5, 4, 3, 2, 6])}
     kept, dropped = fresh(finished, trained_version=5, limit=2)
-    assert sorted(kept) == [0, 1, 2] and dropped == 2
+    assert sorted(kept) == [0, 1, 2] and dropped == [3, 4]
     kept, dropped = fresh(finished, trained_version=5, limit=0)  # rl.async off: only its own version
-    assert sorted(kept) == [0] and dropped == 4
+    assert sorted(kept) == [0] and dropped == [1, 2, 3, 4]
 
 
 def test_staleness_is_the_mean_and_most_versions_behind() -> None:
@@ -77,6 +77,9 @@ def test_off_policy_training_without_the_correction_is_refused() -> None:
         load_config(default_config_path(), {"rl.async.mode": "one_step"})
     with pytest.raises(ConfigError, match="rl.async"):
         load_config(default_config_path(), {"rl.async.mode": "sometimes", "rl.loss.is_cap": 2.0})
+    # The engine's log-probs would be over the top-p nucleus, the trainer's over the vocabulary.
+    with pytest.raises(ConfigError, match="rollout.top_p 0.95 with rl.loss.is_cap"):
+        load_config(default_config_path(), {"rl.loss.is_cap": 2.0, "rollout.top_p": 0.95})
 
 
 def test_a_finished_rollout_comes_back_as_it_was_kept(tmp_path) -> None:
@@ -89,6 +92,11 @@ def test_a_finished_rollout_comes_back_as_it_was_kept(tmp_path) -> None:
     (folder / ".000012.json.abc.tmp").write_text("{")  # a write the kill interrupted: never renamed
     assert inflight.finished(folder) == {11: done}
     assert inflight.finished(inflight.step_folder(tmp_path / "run", "stage1", 4)) == {}  # a step not begun
+    # Too stale to train on: deleted once dropped, so the next draw neither reuses nor counts it.
+    inflight.keep_finished(folder, 12, trajectory("p", 12, 0))
+    _, dropped = fresh(inflight.finished(folder), trained_version=3, limit=1)
+    inflight.discard(folder, dropped)
+    assert dropped == [12] and inflight.finished(folder) == {11: done}
 
 
 def test_a_damaged_file_is_named_and_the_folder_goes_once_the_step_is_recorded(tmp_path) -> None:

@@ -7,6 +7,8 @@ Run: .venv/bin/python -m pytest tests/test_batch.py -q
 
 import random
 
+import pytest
+
 from tasks.config import RocConfig
 from tasks.records import ToolCallRecord, ToolStatus, Trajectory
 from tasks.rl.batch import select_training_batch, trajectory_score
@@ -15,9 +17,9 @@ from tasks.rl.roc import p_err
 
 def _trajectory(problem: str, sample: int, statuses: list[ToolStatus], turns: int) -> Trajectory:
     traj = Trajectory(problem, sample, prompt_ids=[1, 2, 3])
-    traj.extend([10, 11], "x", trainable=True)
+    traj.extend([10, 11], "x", trainable=True, logprobs=[-0.5, -1.0])
     traj.extend([12], "tool", trainable=False)
-    traj.extend([13], "y", trainable=True)
+    traj.extend([13], "y", trainable=True, logprobs=[-0.25])
     traj.turns = turns
     traj.tool_calls = [ToolCallRecord(turn + 1, status, 0.1, "print(1)") for turn, status in enumerate(statuses)]
     return traj
@@ -63,3 +65,14 @@ def test_solved_attempts_counts_rewarded_attempts_per_problem():
     from tasks.rollout.metrics import solved_attempts
 
     assert solved_attempts(["a", "a", "b", "a", "b"], [1.0, 0.0, 0.0, 1.0, 0.0]) == {"a": 2, "b": 0}
+
+
+def test_a_generated_turn_without_its_log_probs_is_refused_and_a_cut_keeps_them_aligned():
+    traj = _trajectory("p", 0, [], turns=1)
+    for logprobs, given in ((None, "no log-probs"), ([-0.5], "1 log-probs")):
+        with pytest.raises(ValueError, match=f"trajectory p sample 0, turn 1: the engine returned {given} for 2"):
+            traj.extend([14, 15], "z", trainable=True, logprobs=logprobs)
+    assert traj.response_ids == [10, 11, 12, 13]  # nothing half-appended
+    assert traj.behaviour_logprobs == [-0.5, -1.0, 0.0, -0.25]  # 0.0 only under the tool token's mask
+    traj.truncate(3)
+    assert (traj.response_ids, traj.loss_mask, traj.behaviour_logprobs) == ([10, 11, 12], [1, 1, 0], [-0.5, -1.0, 0.0])

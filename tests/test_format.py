@@ -79,39 +79,44 @@ def _traj():
     return Trajectory("p", 0, prompt_ids=[1, 2, 3])
 
 
+def _end(traj: Trajectory, ids: list[int], text: str, finish_reason: str = "stop"):
+    """end_turn with the engine's log-probs, one per generated token."""
+    return end_turn(traj, ids, text, finish_reason, SPEC, CLOSE, [-0.5] * len(ids))
+
+
 def test_end_turn_with_valid_call_returns_it():
     traj = _traj()
-    action = end_turn(traj, [5, CLOSE], tool_call_text(TOOL, "print(1)"), "stop", SPEC, CLOSE)
+    action = _end(traj, [5, CLOSE], tool_call_text(TOOL, "print(1)"))
     assert action == ToolCall("print(1)", "") and traj.turns == 1 and traj.loss_mask == [1, 1]
 
 
 def test_end_turn_with_bad_json_returns_the_parse_error():
     traj = _traj()
-    action = end_turn(traj, [5, CLOSE], "<tool_call>{oops" + TOOL_CALL_CLOSE, "stop", SPEC, CLOSE)
+    action = _end(traj, [5, CLOSE], "<tool_call>{oops" + TOOL_CALL_CLOSE)
     assert isinstance(action, ToolCallError)
     assert traj.tool_calls[0].status is ToolStatus.PARSE_ERROR and traj.stop_reason == ""
 
 
 def test_end_turn_without_answer_or_call_stops_with_no_answer():
     traj = _traj()
-    assert end_turn(traj, [5, 6], "I do not know", "stop", SPEC, CLOSE) is None
+    assert _end(traj, [5, 6], "I do not know") is None
     assert traj.stop_reason == "no_answer"
 
 
 def test_end_turn_runaway_length_stops_with_budget():
     traj = _traj()
-    assert end_turn(traj, [5] * 100, "blah " * 100, "length", SPEC, CLOSE) is None
+    assert _end(traj, [5] * 100, "blah " * 100, "length") is None
     assert traj.stop_reason == "budget"
 
 
 def test_end_turn_answer_and_max_turns():
     traj = _traj()
-    assert end_turn(traj, [5], "<answer>\\boxed{2}</answer>", "stop", SPEC, CLOSE) is None
+    assert _end(traj, [5], "<answer>\\boxed{2}</answer>") is None
     assert traj.stop_reason == "answer"
     traj = _traj()
     for _ in range(SPEC.max_turns - 1):
-        assert end_turn(traj, [CLOSE], tool_call_text(TOOL, "1"), "stop", SPEC, CLOSE) is not None
-    assert end_turn(traj, [CLOSE], tool_call_text(TOOL, "1"), "stop", SPEC, CLOSE) is None
+        assert _end(traj, [CLOSE], tool_call_text(TOOL, "1")) is not None
+    assert _end(traj, [CLOSE], tool_call_text(TOOL, "1")) is None
     assert traj.stop_reason == "max_turns"
 
 

@@ -102,7 +102,7 @@ class ScriptedEngines:
     def add_request(self, engine: int, request_id: str, *_request) -> None:
         rollout, turn = map(int, request_id.split(":"))
         ids = self.tokenizer(self.turns[rollout][turn])["input_ids"]
-        self.finished.append((engine, FinishedTurn(request_id, ids, "stop")))
+        self.finished.append((engine, FinishedTurn(request_id, ids, "stop", [-1.0] * len(ids))))
 
     def poll(self, timeout: float | None) -> list[tuple[int, FinishedTurn]]:
         finished, self.finished = self.finished, []

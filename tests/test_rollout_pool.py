@@ -8,6 +8,7 @@ KV-aware scheduler admits only what fits and never does. Once the run's services
 process they ran is left. About two minutes on two cores.
 """
 
+import threading
 import time
 from pathlib import Path
 
@@ -17,10 +18,12 @@ from transformers import AutoTokenizer
 from tasks.cluster.engines import engine_cores
 from tasks.config import RunConfig, default_config_path, load_config
 from tasks.data.problems import generate_problems
-from tasks.records import RolloutSpec
+from tasks.records import RolloutSpec, RunContext
 from tasks.rollout.agent import run_rollouts
 from tasks.rollout.engine import available_cores
-from tests.processes import alive, wait_gone
+from tasks.runtime.steps import RollingAhead
+from tasks.store import inflight
+from tests.processes import alive, wait_gone, wait_until
 
 SPEC = RolloutSpec(
     max_turns=2,
@@ -169,42 +172,61 @@ def test_evaluation_samples_differ_at_temperature_0_6(model_dir, runtime) -> Non
 @pytest.mark.slow
 def test_a_batch_keeps_what_finished_before_and_ends_with_the_rollouts_in_flight(model_dir, runtime) -> None:
     """What rl.async and a resume ask of the loop: rollouts finished before are not drawn again,
-    each new one is handed over once as it ends, and a stopped batch starts nothing more."""
+    each new one is handed over once as it ends, a stopped batch starts no rollout more, and an
+    abandoned one nothing at all."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     problems = [(p.problem_id, p.question) for p in generate_problems(3, [1], seed=7)]
     first, _ = run_rollouts(runtime.engines, runtime.tools, tokenizer, problems, 4, SPEC, version=3)
     assert [t.policy_version for t in first] == [3] * 12
     before = {1: first[1], 6: first[6]}
     handed: list[int] = []
-    again, times = run_rollouts(
-        runtime.engines,
-        runtime.tools,
-        tokenizer,
-        problems,
-        4,
-        SPEC,
-        version=4,
-        finished=before,
-        on_finish=lambda index, trajectory: handed.append(index),
-    )
+
+    def draw(**kw):
+        handed.clear()
+        return run_rollouts(
+            runtime.engines, runtime.tools, tokenizer, problems, 4, SPEC,
+            on_finish=lambda index, trajectory: handed.append(index), **kw,
+        )[0]  # fmt: skip
+
+    again = draw(version=4, finished=before)
     assert again[1] is first[1] and again[6] is first[6]
     assert sorted(handed) == [i for i in range(12) if i not in before]
     assert [t.policy_version for i, t in enumerate(again) if i not in before] == [4] * 10
 
-    handed.clear()
-    stopped, _ = run_rollouts(
-        runtime.engines,
-        runtime.tools,
-        tokenizer,
-        problems,
-        4,
-        SPEC,
-        on_finish=lambda index, trajectory: handed.append(index),
-        stop=lambda: bool(handed),
-    )
+    stopped = draw(stop=lambda: bool(handed))
     # The KV cache holds fewer than 12 rollouts (see the test above): the rest never start.
     assert 0 < len(stopped) < 12 and len(handed) == len(stopped)
     assert all(t.stop_reason for t in stopped)
+
+    # Abandoned (its step failed) once a rollout ends: the rollouts in flight end there too, and
+    # no request outlives the batch: the engines take a weight push at once (refused while they
+    # generate), and the next batch, whose request ids are the same, gets only its own turns.
+    abandoned = draw(abandon=lambda: bool(handed))
+    assert len(abandoned) == len(handed) <= len(stopped)
+    runtime.engines.load_from_dir(model_dir, 60)
+    after = draw(version=5)
+    assert len(after) == 12 and all(t.stop_reason and t.policy_version == 5 for t in after)
+    assert all(len(t.response_ids) == len(t.loss_mask) == len(t.behaviour_logprobs) for t in after)
+
+
+@pytest.mark.slow
+def test_a_step_that_fails_stops_its_drawing_ahead(model_dir, runtime, tmp_path) -> None:
+    """rl.async: the step's work fails while the engines draw the next step's rollouts. The error
+    leaves the step only once the drawing has stopped: no thread is left, the engines are idle at
+    once (a weight push is taken), and the next step's in-flight folder keeps only rollouts that
+    had finished, for the retry."""
+    cfg = run_config(model_dir, 2, **{"rl.async.mode": "one_step", "rl.loss.is_cap": 2.0, "rl.group_size": 2})
+    stage = cfg.rl.stages[0].model_copy(update={"steps": 2})
+    ctx = RunContext("ahead", tmp_path, "", tmp_path)
+    folder = inflight.step_folder(tmp_path, stage.name, 1)
+    problems = generate_problems(4, [1], seed=11)
+    with pytest.raises(RuntimeError, match="the update failed"), RollingAhead(runtime, ctx, cfg, stage, 0, problems):
+        wait_until(lambda: any(folder.glob("*.json")), "a rollout drawn ahead", 300)
+        raise RuntimeError("the update failed")
+    assert not [t for t in threading.enumerate() if t.name.startswith("roll-ahead-")]
+    runtime.engines.load_from_dir(model_dir, 60)
+    kept = inflight.finished(folder)
+    assert 0 < len(kept) < 16 and all(t.stop_reason and t.policy_version == 0 for t in kept.values())
 
 
 @pytest.mark.slow

@@ -118,9 +118,30 @@ def test_exception_gives_traceback_of_the_users_code_only(service: SandboxServic
     assert "<string>" not in result.stderr  # no frame from the runner
 
 
-def test_word_error_in_stdout_is_still_ok(service: SandboxService) -> None:
-    result = execute(service.url, "print('error: Traceback (most recent call last)')")
-    assert result.status == ToolStatus.OK
+# What RoC counts as a failed call comes from how the program ended, never from its text: valid
+# code that talks on stderr, warns or recovers from its own exception is not a failure; a program
+# that dies of its own bug (deep recursion, float into range, a wrong library signature) is.
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        ("print('error: Traceback (most recent call last)')", ToolStatus.OK),
+        ("import sys\nprint('progress: 50%', file=sys.stderr)\nprint(7)", ToolStatus.OK),
+        ("import warnings\nwarnings.warn('deprecated')\nprint(7)", ToolStatus.OK),
+        ("try:\n    1 / 0\nexcept ZeroDivisionError:\n    print('fixed')", ToolStatus.OK),
+        ("import sys\nprint(7)\nsys.exit(0)", ToolStatus.OK),
+        ("def f(n):\n    return n if n == 0 else 1 + f(n - 1)\nprint(f(10**6))", ToolStatus.ERROR),
+        ("print(sum(range(10 / 2)))", ToolStatus.ERROR),
+        ("import math\nprint(math.comb(10))", ToolStatus.ERROR),
+        ("import sys\nsys.exit(3)", ToolStatus.ERROR),
+    ],
+    ids=["error-in-stdout", "stderr", "warning", "caught", "exit-0", "recursion", "float-range", "signature", "exit-3"],
+)
+def test_a_failed_call_is_how_the_program_ended_not_what_it_printed(
+    service: SandboxService, code: str, status: ToolStatus
+) -> None:
+    result = execute(service.url, code)
+    assert result.status == status, result
+    assert result.status.is_failure == (status is not ToolStatus.OK)
 
 
 def test_cpu_loop_and_sleep_time_out(service: SandboxService) -> None:

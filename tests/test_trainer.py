@@ -156,6 +156,12 @@ def test_importance_weights_read_the_samples_behaviour_log_probs(trainer, tmp_pa
     assert metrics[2]["is_weight_mean"] == pytest.approx(1.5) and metrics[2]["is_truncated_frac"] == 1.0
     # Before Adam, at ratio 1: each token's loss is exactly -1.5 A (e^0.5 capped); only the roundings differ, ~1e-7
     assert metrics[2]["loss"] == pytest.approx(1.5 * metrics[0]["loss"], rel=1e-4)
+    # A sample whose log-probs do not cover its tokens is refused before any update, never padded.
+    short = with_behaviour(0.0)
+    short[1] = Sample(short[1].token_ids, short[1].loss_mask, 1.0, short[1].behaviour_logprobs[:-1])
+    n = len(short[1].token_ids)
+    with pytest.raises(ValueError, match=f"and sample 1 carries {n - 1} behaviour log-probs for {n} tokens"):
+        fresh.rl_step(short, LossConfig(is_cap=1.5))
 
 
 @pytest.mark.slow

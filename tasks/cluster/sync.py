@@ -38,11 +38,20 @@ class WeightSync:
         self._members: list[int] | None = None  # the engines in the sync group
         self.last = {"bytes": 0, "seconds": 0.0}
 
-    def _get(self, refs: list) -> list:
-        try:
-            return ray.get(refs, timeout=self.cfg.weight_sync_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise self._timeout() from None
+    def _from_ranks(self, refs: list) -> list:
+        """One call's results from every trainer rank, in rank order."""
+        outcomes = self._outcomes(refs)
+        self._raise_for_ranks(outcomes)
+        if failures := _failures(outcomes):
+            raise failures[0]
+        return outcomes
+
+    def _raise_for_ranks(self, outcomes: list) -> None:
+        """A trainer rank gone mid-push fails the attempt as it would mid-update (RankDied, named):
+        unlike an engine, a rank is not dropped and pushed around, its retry restarts the ranks."""
+        for rank, outcome in enumerate(outcomes[: len(self.trainer.actors)]):
+            if isinstance(outcome, ray.exceptions.RayActorError):
+                raise self.trainer.died(rank, outcome) from None
 
     def _timeout(self) -> TimeoutError:
         return TimeoutError(
@@ -68,7 +77,7 @@ class WeightSync:
         """A sync group of trainer rank 0 (which hosts its store) and these engines; made again
         when an engine rejoins or leaves, since a gloo or NCCL group cannot change its members.
         Returns each member's outcome, rank 0's first."""
-        host, port = ray.get(self.trainer.actors[0].rendezvous.remote())
+        host, port = self._from_ranks([self.trainer.actors[0].rendezvous.remote()])[0]
         group = SyncGroup(host, port, 1 + len(engines), self.backend, self.cfg.weight_sync_bucket_timeout_s)
         actors = self.engines.actors
         outcomes = self._outcomes(
@@ -84,15 +93,15 @@ class WeightSync:
         ranks, actors = self.trainer.actors, [self.engines.actors[e] for e in engines]
         if self._layouts is None:
             bucket_bytes = int(self.cfg.weight_sync_bucket_mb * 2**20)
-            self._layouts = self._get([rank.weight_layouts.remote(bucket_bytes) for rank in ranks])[0]
+            self._layouts = self._from_ranks([rank.weight_layouts.remote(bucket_bytes) for rank in ranks])[0]
         if self.backend == "object_store":
-            buckets = self._get([rank.put_weights.remote(self._layouts) for rank in ranks])[0]
+            buckets = self._from_ranks([rank.put_weights.remote(self._layouts) for rank in ranks])[0]
             sent = sum(bucket_size(layout) for layout, _ in buckets)
             return sent, [None] * len(ranks) + self._outcomes([a.load_from_store.remote(buckets) for a in actors])
         if self._members != engines:
             outcomes = self._join(engines)
             if _failures(outcomes):
-                return 0, [None] * (len(ranks) - 1) + outcomes
+                return 0, outcomes[:1] + [None] * (len(ranks) - 1) + outcomes[1:]
         outcomes = self._outcomes(
             [rank.broadcast_weights.remote(self._layouts) for rank in ranks]
             + [engine.receive_weights.remote(self._layouts) for engine in actors]
@@ -112,6 +121,7 @@ class WeightSync:
             back = self.engines.restarted()
             engines = sorted([e for e, serving in enumerate(self.engines.serving) if serving] + back)
             sent, outcomes = self._send(engines)
+            self._raise_for_ranks(outcomes)
             engine_outcomes = outcomes[len(self.trainer.actors) :]
             gone = [(e, o) for e, o in zip(engines, engine_outcomes) if isinstance(o, ACTOR_GONE)]
             if not gone:

@@ -164,17 +164,17 @@ class TrainerGroup:
             rank = waiting.pop(ready[0])
             try:
                 ray.get(ready[0])
-            except ray.exceptions.RayActorError as died:
-                place = next((w for w in self.where if w["index"] == rank), None)
-                node = (
-                    f"node {place['node_id'][:12]} ({place['node_ip']}), pid {place['pid']}"
-                    if place
-                    else "unknown node"
-                )
-                lines = [line.strip() for line in str(died).splitlines() if line.strip()]
-                cause = next((line for line in lines if "exit detail" in line.lower()), lines[0])[:300]
-                raise RankDied(f"trainer rank {rank} on {node} died: {cause}") from None
+            except ray.exceptions.RayActorError as error:
+                raise self.died(rank, error) from None
         return ray.get(refs)
+
+    def died(self, rank: int, error: ray.exceptions.RayActorError) -> RankDied:
+        """The error for a rank whose actor is gone, named with its node, pid and cause."""
+        place = next((w for w in self.where if w["index"] == rank), None)
+        node = f"node {place['node_id'][:12]} ({place['node_ip']}), pid {place['pid']}" if place else "unknown node"
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        cause = next((line for line in lines if "exit detail" in line.lower()), lines[0])[:300]
+        return RankDied(f"trainer rank {rank} on {node} died: {cause}")
 
     def _all(self, method: str, *args) -> list:
         return self._get([getattr(actor, method).remote(*args) for actor in self.actors])

@@ -257,6 +257,17 @@ class RunConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _importance_weights_over_the_whole_vocabulary(self) -> RunConfig:
+        # The engine reports log-probs renormalised over the top-p nucleus, the trainer over the
+        # whole vocabulary: pi/mu would be biased low on every token.
+        if self.rl.loss.is_cap is not None and self.rollout.top_p < 1:
+            raise ValueError(
+                f"rollout.top_p {self.rollout.top_p} with rl.loss.is_cap: importance weights need log-probs "
+                "over the whole vocabulary; sample with top_p 1.0, or leave is_cap unset"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _lengths_fit(self) -> RunConfig:
         longest = max([s.max_response_tokens for s in self.rl.stages] + [self.eval.max_response_tokens])
         if longest >= self.engines.max_model_len:

@@ -117,10 +117,22 @@ class Trajectory:
     policy_version: int = 0  # the weights that drew it: the stage's step whose update they start
 
     def extend(self, ids: list[int], text: str, trainable: bool, logprobs: list[float] | None = None) -> None:
+        """Append a turn: generated tokens (trainable) with the engine's log-prob of each, or tool
+        tokens, which have none (0.0 under the loss mask, never read)."""
+        if trainable and (logprobs is None or len(logprobs) != len(ids)):
+            given = "no log-probs" if logprobs is None else f"{len(logprobs)} log-probs"
+            raise ValueError(
+                f"trajectory {self.problem_id} sample {self.sample}, turn {self.turns}: "
+                f"the engine returned {given} for {len(ids)} generated tokens"
+            )
         self.response_ids += ids
         self.loss_mask += [int(trainable)] * len(ids)
         self.response += text
-        self.behaviour_logprobs += logprobs if logprobs and len(logprobs) == len(ids) else [0.0] * len(ids)
+        self.behaviour_logprobs += logprobs if trainable else [0.0] * len(ids)
+
+    def truncate(self, limit: int) -> None:
+        """Keep the first `limit` response tokens (a tool response overshot the budget)."""
+        del self.response_ids[limit:], self.loss_mask[limit:], self.behaviour_logprobs[limit:]
 
     def to_dict(self) -> dict[str, Any]:
         row = asdict(self)

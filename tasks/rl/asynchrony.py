@@ -28,12 +28,12 @@ def steps_ahead(overlap: AsyncConfig, step: int, steps: int) -> tuple[list[int],
     return [step + 1], list(range(step + 2, min(last, step + overlap.staleness_limit) + 1))
 
 
-def fresh(finished: dict[int, Trajectory], trained_version: int, limit: int) -> tuple[dict[int, Trajectory], int]:
+def fresh(finished: dict[int, Trajectory], trained_version: int, limit: int) -> tuple[dict[int, Trajectory], list[int]]:
     """The finished rollouts a step trained at `trained_version` may use (drawn at most `limit`
     versions earlier, and not by a later one, which a resume from an older checkpoint leaves),
-    and how many it drops."""
+    and the indices of those it drops (which no later draw can use either)."""
     kept = {i: t for i, t in finished.items() if 0 <= trained_version - t.policy_version <= limit}
-    return kept, len(finished) - len(kept)
+    return kept, sorted(set(finished) - set(kept))
 
 
 def staleness(versions: Sequence[int], trained_version: int) -> tuple[float, int]:

@@ -61,7 +61,7 @@ def end_turn(
     finish_reason: str,
     spec: RolloutSpec,
     tool_call_close: int,
-    logprobs: list[float] | None = None,
+    logprobs: list[float],
 ) -> ToolCall | ToolCallError | None:
     """Record a finished assistant turn (with the engine's log-probs of its tokens) and say what
     comes next.
@@ -192,6 +192,7 @@ class _Batch:
         self.pending_tools: dict[int, tuple[Future, float]] = {}
         self.active: set[int] = set()  # admitted, not ended
         self.closed = False  # no more admissions: the batch ends with the rollouts in flight
+        self.abandoned = False  # no more turns or tool calls either: it ends once the engines are idle
 
     @property
     def finished(self) -> int:
@@ -199,7 +200,15 @@ class _Batch:
 
     @property
     def done(self) -> bool:
+        if self.abandoned:
+            return not self.generating
         return self.finished == len(self.trajectories) or (self.closed and not self.active)
+
+    def abandon(self) -> None:
+        """The caller failed: start nothing more (no rollout, turn or tool call); the turns the
+        engines are generating are taken and dropped, so that no request outlives the batch."""
+        self.closed = self.abandoned = True
+        self.pending_tools.clear()
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -227,7 +236,7 @@ class _Batch:
             traj.stop_reason = "budget"
             # A tool response may overshoot the shared budget: the trainer never sees past it.
             limit = min(spec.max_response_tokens, self.max_model_len - len(traj.prompt_ids))
-            del traj.response_ids[limit:], traj.loss_mask[limit:]
+            traj.truncate(limit)
             self.end_rollout(index)
             return
         self.engines.add_request(
@@ -265,6 +274,8 @@ class _Batch:
         for _, turn in turns:
             index = int(turn.request_id.split(":")[0])
             self.generating.discard(index)
+            if self.abandoned:
+                continue
             traj = self.trajectories[index]
             text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=False)
             action = end_turn(
@@ -320,6 +331,7 @@ def run_rollouts(
     finished: dict[int, Trajectory] | None = None,
     on_finish: Callable[[int, Trajectory], None] | None = None,
     stop: Callable[[], bool] | None = None,
+    abandon: Callable[[], bool] | None = None,
 ) -> tuple[list[Trajectory], RolloutTimes]:
     """Roll out `samples_per_problem` trajectories for each (problem_id, question) on the engines,
     each rollout's engine chosen by the scheduler their config names; the KV-aware scheduler's
@@ -329,7 +341,9 @@ def run_rollouts(
     `finished` (batch index -> trajectory) are rollouts of the batch drawn before: they are not
     drawn again. Each rollout that ends goes to `on_finish(index, trajectory)` at once. Once
     `stop()` is true no rollout starts; the ones in flight finish, and only the finished ones
-    (in batch order) are returned. New trajectories carry policy `version`."""
+    (in batch order) are returned. Once `abandon()` is true nothing more starts, not even the
+    next turn of a rollout in flight: the batch returns what ended before, as soon as the engines
+    hand back the turns they were generating. New trajectories carry policy `version`."""
     started = time.perf_counter()
     busy_before = engines.stats()
     retried_before = tools.client.retried
@@ -338,6 +352,8 @@ def run_rollouts(
         while not batch.done:
             finished = batch.finished
             batch.closed = batch.closed or (stop is not None and stop())
+            if abandon is not None and not batch.abandoned and abandon():
+                batch.abandon()
             batch.admit()
             batch.end_turns(batch.next_turns())
             for engine in engines.failed():

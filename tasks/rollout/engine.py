@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,8 +51,8 @@ class FinishedTurn:
     token_ids: list[int]
     finish_reason: str  # "stop" (eos or stop token) or "length"
     # log p of each token under the engine's policy as it sampled (temperature applied): the
-    # behaviour policy of importance-weighted updates (rl.loss.is_cap)
-    logprobs: list[float] = field(default_factory=list)
+    # behaviour policy of importance-weighted updates (rl.loss.is_cap); one per token, always
+    logprobs: list[float]
 
 
 class Engine:

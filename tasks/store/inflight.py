@@ -37,6 +37,13 @@ def finished(folder: Path) -> dict[int, Trajectory]:
     return kept
 
 
+def discard(folder: Path, indices: list[int]) -> None:
+    """Delete these kept rollouts (too stale to train on): they are drawn again, and counted as
+    dropped once, not at every draw that finds them."""
+    for index in indices:
+        (folder / f"{index:06d}.json").unlink(missing_ok=True)
+
+
 def forget(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     for parent in (folder.parent, folder.parent.parent):  # the stage's and the run's, once empty

@@ -272,16 +272,21 @@ class Trainer:
         return self._finish_step(self._global({"loss": total, "tokens": num_tokens}, ("loss",)))
 
     def _rl_step(self, samples: list[Sample], loss_cfg: LossConfig, temperature: float) -> dict:
+        # Decided by the config alone, so every rank reduces the same metrics.
+        weighted = loss_cfg.is_cap is not None
+        for index, sample in enumerate(samples):  # refused before anything moves, never padded
+            given, tokens = sample.behaviour_logprobs, len(sample.token_ids)
+            if (given is None and weighted) or (given is not None and len(given) != tokens):
+                raise ValueError(
+                    f"rl.loss.is_cap is {loss_cfg.is_cap}, and sample {index} carries "
+                    f"{'no' if given is None else len(given)} behaviour log-probs for {tokens} tokens"
+                )
         batches = self._aligned(samples)
         num_tokens = self._batch_tokens(batches)
         self._accumulate(len(batches))
         self.engine.train()
         metrics = {"loss": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "dual_clip_frac": 0.0}
         entropy_sum = 0.0
-        # Decided by the config alone, so every rank reduces the same metrics.
-        weighted = loss_cfg.is_cap is not None
-        if weighted and any(s.behaviour_logprobs is None for s in samples):
-            raise ValueError("rl.loss.is_cap is set, but a sample carries no behaviour log-probs from its engine")
         if weighted:
             metrics |= {"is_weight_mean": 0.0, "is_truncated_frac": 0.0}
         for ids, attention, target_mask, advantages, behaviour in self._stepped(batches):
