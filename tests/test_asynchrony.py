@@ -5,11 +5,12 @@ python -m pytest tests/test_asynchrony.py -q
 """
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from tasks.config import AsyncConfig, ConfigError, default_config_path, load_config
-from tasks.records import ToolCallRecord, ToolStatus, Trajectory
+from tasks.records import RolloutSpec, ToolCallRecord, ToolStatus, Trajectory
 from tasks.rl.asynchrony import fresh, idle_fraction, staleness, steps_ahead
 from tasks.store import inflight
 
@@ -126,3 +127,23 @@ def test_a_bare_off_in_yaml_means_off(tmp_path) -> None:
     assert "async: {mode: off}" in text
     (tmp_path / "tiny.yaml").write_text(text)
     assert load_config(tmp_path / "tiny.yaml").rl.overlap == OFF
+
+
+def test_rollouts_kept_under_other_settings_are_drawn_again(tmp_path) -> None:
+    """A resume with another temperature, budget, tool or group size reuses none of the step's
+    kept rollouts (the index of one is problem position x samples + sample)."""
+    spec = RolloutSpec(4, 512, 1.0, 1.0, "execute_python_code_with_standard_io", 256)
+    folder, before = inflight.step_folder(tmp_path, "stage1", 2), inflight.settings_key(spec, 8)
+    assert inflight.settle(folder, before) == 0
+    for index in (0, 5):
+        inflight.keep_finished(folder, index, trajectory("p", index, 1))
+    assert inflight.settle(folder, before) == 0 and sorted(inflight.finished(folder)) == [0, 5]
+    for changed in (replace(spec, temperature=0.6), replace(spec, max_response_tokens=256)):
+        assert inflight.settle(folder, inflight.settings_key(changed, 8)) == 2
+        assert inflight.finished(folder) == {}
+        inflight.keep_finished(folder, 0, trajectory("p", 0, 1))
+        inflight.keep_finished(folder, 5, trajectory("p", 5, 1))
+    assert inflight.settle(folder, inflight.settings_key(spec, 16)) == 2
+    inflight.keep_finished(folder, 3, trajectory("p", 3, 1))
+    (folder / inflight.SETTINGS).unlink()  # kept, but under settings nobody recorded
+    assert inflight.settle(folder, before) == 1

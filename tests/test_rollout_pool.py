@@ -8,8 +8,10 @@ KV-aware scheduler admits only what fits and never does. Once the run's services
 process they ran is left. About two minutes on two cores.
 """
 
+import logging
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ from tasks.config import RunConfig, default_config_path, load_config
 from tasks.data.problems import generate_problems
 from tasks.records import RolloutSpec, RunContext
 from tasks.rollout.agent import run_rollouts
-from tasks.rollout.engine import available_cores
+from tasks.rollout.engine import RotaryReloadNotice, available_cores
 from tasks.runtime.steps import RollingAhead
 from tasks.store import inflight
 from tests.processes import alive, wait_gone, wait_until
@@ -77,6 +79,15 @@ def test_engines_get_their_own_blocks_of_cores() -> None:
     # More engines x threads than cores: they wrap around and share.
     assert [engine_cores(i, 1, [4, 7]) for i in range(3)] == [[4], [7], [4]]
     assert engine_cores(0, 8, [0, 1]) == [0, 1]
+
+
+def test_only_the_rotary_embeddings_reload_notice_is_dropped() -> None:
+    def record(*args) -> logging.LogRecord:
+        return logging.LogRecord(RotaryReloadNotice.LOGGER, logging.WARNING, "layerwise.py", 266, "%s: %s", args, None)
+
+    notice = RotaryReloadNotice()
+    assert not notice.filter(record("RotaryEmbedding", "Failed to load weights"))
+    assert notice.filter(record("QKVParallelLinear", "Failed to load weights"))
 
 
 @pytest.mark.slow
@@ -188,8 +199,10 @@ def test_a_batch_keeps_what_finished_before_and_ends_with_the_rollouts_in_flight
             on_finish=lambda index, trajectory: handed.append(index), **kw,
         )[0]  # fmt: skip
 
-    again = draw(version=4, finished=before)
-    assert again[1] is first[1] and again[6] is first[6]
+    # Kept under another prompt (template, tool list or tokenizer changed since): drawn again.
+    other_prompt = replace(first[2], prompt_ids=[0] + first[2].prompt_ids)
+    again = draw(version=4, finished={**before, 2: other_prompt})
+    assert again[1] is first[1] and again[6] is first[6] and again[2].prompt_ids == first[2].prompt_ids
     assert sorted(handed) == [i for i in range(12) if i not in before]
     assert [t.policy_version for i, t in enumerate(again) if i not in before] == [4] * 10
 

@@ -173,7 +173,12 @@ class _Batch:
         self.ended: set[int] = set()
         for index, done in (finished or {}).items():
             fresh = self.trajectories[index] if index < len(self.trajectories) else None
-            if fresh is not None and (done.problem_id, done.sample) == (fresh.problem_id, fresh.sample):
+            # The same prompt too: a changed template, tool list or tokenizer draws it again.
+            if fresh is not None and (done.problem_id, done.sample, done.prompt_ids) == (
+                fresh.problem_id,
+                fresh.sample,
+                fresh.prompt_ids,
+            ):
                 self.trajectories[index] = done
                 self.ended.add(index)
         to_draw = [i for i in range(len(self.trajectories)) if i not in self.ended]

@@ -7,6 +7,7 @@ back while the engine keeps serving the other trajectories: no turn-level barrie
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterable
@@ -27,6 +28,19 @@ def configure_cpu_runtime() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # torch._C: once an engine ran in this process, vLLM has made torch.set_num_threads a no-op.
     torch._C.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+class RotaryReloadNotice(logging.Filter):
+    """Drops one vLLM warning, "RotaryEmbedding: Failed to load weights", logged at every weight
+    push. A rotary embedding holds no trained weights (its cos/sin cache is computed from the
+    config), so a reload loads none of its tensors and vLLM puts the cache back as it was, which
+    is right: the engine/trainer log-prob gap after a push stays ~1e-7 (tests/test_weight_sync.py).
+    Any other layer that fails to load still warns."""
+
+    LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "RotaryEmbedding: Failed to load weights"
 
 
 def available_cores() -> list[int]:
@@ -70,6 +84,7 @@ class Engine:
             torch._C.set_num_threads(self.cfg.threads)
         from vllm import LLM
 
+        logging.getLogger(RotaryReloadNotice.LOGGER).addFilter(RotaryReloadNotice())
         self.llm = LLM(
             model=str(self.model_dir),
             dtype=self.dtype,

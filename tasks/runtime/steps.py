@@ -63,6 +63,9 @@ def draw_step(
     """Step `step`'s rollouts: those finished before that the step may train on, the rest drawn
     now by policy `version`, each kept in the step's in-flight folder as it finishes."""
     folder = inflight.step_folder(ctx.run_dir, stage.name, step)
+    spec = cfg.rollout.spec(stage)
+    if redrawn := inflight.settle(folder, inflight.settings_key(spec, cfg.rl.rollouts_per_problem)):
+        print(f"{stage.name} step {step}: {redrawn} rollouts kept under other settings are drawn again")
     finished, dropped = asynchrony.fresh(inflight.finished(folder), step, cfg.rl.overlap.staleness_limit)
     inflight.discard(folder, dropped)
     trajectories, times = run_rollouts(
@@ -71,7 +74,7 @@ def draw_step(
         runtime.tokenizer,
         [(p.problem_id, p.question) for p in problems],
         cfg.rl.rollouts_per_problem,
-        cfg.rollout.spec(stage),
+        spec,
         desc or f"{stage.name} step {step}",
         version=version,
         finished=finished,

@@ -5,17 +5,20 @@ being its place in the step's batch (problem position x samples + sample), each 
 atomically. A step rolled out ahead of its update (rl.async) finds its rollouts here, and a run
 killed at any point resumes with every finished trajectory of its unfinished steps: none is
 drawn twice and none is lost. Once the step is recorded its rollouts part holds them all and the
-folder goes.
+folder goes. Rollouts kept under other settings than the step's now are not reused.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
-from tasks.records import Trajectory
+from tasks.records import RolloutSpec, Trajectory
 from tasks.store.tables import write_text
+
+SETTINGS = "settings.txt"  # beside the rollouts: what they were drawn under
 
 
 def step_folder(run_dir: Path, stage: str, step: int) -> Path:
@@ -35,6 +38,27 @@ def finished(folder: Path) -> dict[int, Trajectory]:
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{path}: not a finished rollout ({exc}); delete the file to draw it again") from exc
     return kept
+
+
+def settings_key(spec: RolloutSpec, rollouts_per_problem: int) -> str:
+    """What a kept rollout must have been drawn under to be reused: sampling, budget and tool
+    settings, and the batch's layout (an index is problem position x samples + sample)."""
+    return json.dumps({**asdict(spec), "rollouts_per_problem": rollouts_per_problem}, sort_keys=True)
+
+
+def settle(folder: Path, settings: str) -> int:
+    """Ties the step's kept rollouts to the settings that draw it now: those kept under others (a
+    resume with another temperature, budget or tool) are deleted, to be drawn again, never reused;
+    how many."""
+    marker = folder / SETTINGS
+    kept = sorted(folder.glob("*.json"))
+    if kept and (not marker.exists() or marker.read_text() != settings):
+        for path in kept:
+            path.unlink()
+    else:
+        kept = []
+    write_text(settings, marker)
+    return len(kept)
 
 
 def discard(folder: Path, indices: list[int]) -> None:
