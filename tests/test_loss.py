@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tasks.rl.loss import ppo_clip_loss, sft_loss, token_logprobs
+from tasks.rl.loss import head_logprobs, ppo_clip_loss, sft_loss, token_logprobs
 
 EPS_LOW, EPS_HIGH, DUAL = 0.2, 0.28, 3.0
 
@@ -214,10 +214,62 @@ def test_sft_loss_is_masked_token_mean_cross_entropy():
     mask[0, 0] = True
     ignored = torch.where(mask, targets, torch.full_like(targets, -100))
     reference = F.cross_entropy(logits.reshape(-1, V), ignored.reshape(-1), ignore_index=-100)
+    logp = token_logprobs(logits, targets)
     # float32, the same log-softmax per token on both sides: 8 positive terms summed in other orders
     # (7u a side, as for half + rest: 2u + 4u + 1u; / 8 is exact) differ by <= 14u = 8.4e-7
-    assert sft_loss(logits, targets, mask).item() == pytest.approx(reference.item(), rel=1e-6)
+    assert sft_loss(logp, mask).item() == pytest.approx(reference.item(), rel=1e-6)
     # with a batch-wide count, a part's loss is its share of the sum
-    half = sft_loss(logits[:1], targets[:1], mask[:1], num_tokens=int(mask.sum()))
-    rest = sft_loss(logits[1:], targets[1:], mask[1:], num_tokens=int(mask.sum()))
+    half = sft_loss(logp[:1], mask[:1], num_tokens=int(mask.sum()))
+    rest = sft_loss(logp[1:], mask[1:], num_tokens=int(mask.sum()))
     assert (half + rest).item() == pytest.approx(reference.item(), rel=1e-6)
+
+
+def _head_step(dtype, chunk_tokens, seed=3, B=3, T=11, H=16, V=97):
+    """Log-probs, entropy and the gradients of hidden states and output layer after a weighted sum
+    of the log-probs (any loss reaches them only through that sum's weights)."""
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(H, V, bias=False).to(dtype)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, H, generator=gen) * 0.5)
+    hidden = (torch.randn(B, T, H, generator=gen) * 2).to(dtype).requires_grad_()
+    targets = torch.randint(0, V, (B, T), generator=gen)
+    targets[0, 0] = -100  # an ignore index: read as token 0, removed by the caller's mask
+    weights = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    logp, entropy = head_logprobs(head, hidden, targets, temperature=0.7, chunk_tokens=chunk_tokens)
+    (logp.double() * weights).sum().backward()
+    return logp, entropy, hidden.grad, head.weight.grad
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 4, 10, 33])
+def test_log_probs_in_chunks_have_the_unchunked_values_and_gradients(chunk_tokens):
+    whole = _head_step(torch.float64, None)
+    chunked = _head_step(torch.float64, chunk_tokens)
+    # float64: the same operations per position; only the output layer's gradient sums its 33
+    # positions' terms in another grouping: 33 terms of |x| <= ~10 at 1.1e-16 each, far below 1e-12
+    for name, a, b in zip(("logp", "entropy", "hidden grad", "head grad"), whole, chunked):
+        assert (a - b).abs().max().item() < 1e-12, name
+    assert whole[3].abs().sum() > 0  # the gradient reached the output layer
+
+
+def test_head_log_probs_are_the_tempered_log_softmax_and_its_entropy():
+    gen = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 13, bias=False).double()
+    hidden, targets = torch.randn(2, 5, 8, generator=gen, dtype=torch.float64), torch.randint(0, 13, (2, 5))
+    logp, entropy = head_logprobs(head, hidden, targets, temperature=0.6, chunk_tokens=3)
+    logits = head(hidden) / 0.6
+    assert torch.allclose(logp, token_logprobs(logits, targets).double(), atol=1e-6)  # token_logprobs: float32
+    p = torch.softmax(logits, -1)
+    assert torch.allclose(entropy, -(p * p.log()).sum(-1), atol=1e-12)
+
+
+def test_log_probs_in_chunks_match_in_bfloat16():
+    whole, chunked = _head_step(torch.bfloat16, None), _head_step(torch.bfloat16, 5)
+    # The log-softmax runs in float32 on bf16 logits that chunking does not change (a row's logits
+    # are the same products), so log-probs and entropy agree to float32 rounding. The gradients
+    # are bf16: the output layer's sums 33 positions' terms in another order, each rounding
+    # within bf16's 2^-8 relative step.
+    assert (whole[0] - chunked[0]).abs().max().item() < 1e-5
+    assert (whole[1] - chunked[1]).abs().max().item() < 1e-5
+    assert torch.equal(whole[2], chunked[2])
+    scale = whole[3].float().abs().max().item()
+    assert (whole[3].float() - chunked[3].float()).abs().max().item() <= 4 * 2**-8 * scale

@@ -3,9 +3,10 @@ estimators count them), ZeRO-3's gathered largest layer, the activations and log
 micro-batch, and an engine's share as vLLM budgets it. Pure: numbers from a config and the
 model's shapes (its config.json, the tiny model's fields, or model.shape).
 
-The activation terms count what autograd keeps in a Llama/Qwen decoder layer and are calibrated
-against the measured peaks of real trainer steps on CPU (bench/memory_bench.py, whose numbers
-are in docs/benchmarks.md).
+The activation and logit terms count what autograd keeps in a Llama/Qwen decoder and are
+calibrated per device against the measured peaks of real trainer steps: on CPU, resident memory
+(bench/memory_bench.py); on a GPU, CUDA's allocator peak (bench/memory_bench.py --device cuda).
+The numbers are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -114,15 +115,29 @@ def trainer_memory(params: float, dtype: str, zero_stage: int, ranks: int) -> di
 # dtype: the two norms' inputs and outputs (4h), queries through RoPE, the expanded keys and
 # values and the attention output (9 q-widths, 6 kv-widths; attention itself runs as a fused
 # kernel, no score matrix), the gated MLP's four intermediates (4I); times the measured ratio of
-# real steps' peaks to this count (allocator slack, temporaries: docs/benchmarks.md).
-ACTIVATION_CALIBRATION = 1.25
-# Logits: the trainer's fp32 log-softmax over every position, with the tempered copy and their
-# gradients: 4.4 fp32 copies of (tokens x vocab) at the measured peaks, plus the model's own
-# 16-bit logits under bfloat16.
-LOGIT_COPIES = 4.4
-# Under gradient checkpointing a layer keeps more than its input between the passes: 6
-# hidden-wide tensors per token is what the measured peaks need (docs/benchmarks.md).
-CHECKPOINTED_WIDTHS = 6
+# real steps' peaks to this count, per device (docs/benchmarks.md).
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A device's measured ratios of a trainer step's peak to the counts below."""
+
+    activations: float  # times layer_elements per token and layer
+    checkpointed_widths: float  # hidden-wide tensors a checkpointed layer keeps per token
+    logit_bytes: float  # bytes per (token x vocab) element of the logits, their copies and gradients
+    phases: bool  # the peak is the larger of the update's and the optimizer step's, not their sum
+
+
+CALIBRATION = {
+    # Resident memory of real steps on CPU: the allocator returns little, so the parts add up.
+    # Logits: 4.4 fp32 copies (the logits, the tempered copy, the log-softmax and their gradients).
+    "cpu": Calibration(activations=1.25, checkpointed_widths=6, logit_bytes=4.4 * 4, phases=False),
+    # torch.cuda.max_memory_allocated of real steps on an H200 (bf16, ZeRO-2, one rank): the
+    # caching allocator reuses what a phase frees, so the update (activations, logits) and the
+    # optimizer step (the fp32 gradients, a second 16-bit gradient buffer) peak apart. Logits: 16
+    # bytes per element (the 16-bit logits, their fp32 copy, the log-softmax, and the gradients).
+    "cuda": Calibration(activations=0.85, checkpointed_widths=1, logit_bytes=16, phases=True),
+}
 # vLLM's offline engine on a GPU of 70 GiB or more profiles a forward pass of this many tokens to
 # size its activations (vllm/engine/arg_utils.py), and captures CUDA graphs unless eager.
 ENGINE_PROFILE_TOKENS = 16384
@@ -135,18 +150,55 @@ def layer_elements(shape: ModelShape) -> float:
     return 4 * h + 9 * q + 6 * kv + 4 * shape.hf["intermediate_size"]
 
 
-def activation_memory(shape: ModelShape, tokens: int, dtype: str, checkpointing: bool) -> dict[str, float]:
+def activation_memory(
+    shape: ModelShape,
+    tokens: int,
+    dtype: str,
+    checkpointing: bool,
+    device: str = "cuda",
+    chunk_tokens: int | None = None,
+) -> dict[str, float]:
     """GiB one micro-batch of `tokens` needs at its peak: the layers' activations (with gradient
-    checkpointing: what each layer keeps, plus one layer's while it is recomputed) and the logits."""
-    per_layer = ACTIVATION_CALIBRATION * layer_elements(shape) * DTYPE_BYTES[dtype] * tokens
+    checkpointing: what each layer keeps, plus one layer's while it is recomputed) and the logits
+    (of at most chunk_tokens positions at once: trainer.logit_chunk_tokens)."""
+    cal = CALIBRATION[device]
+    per_layer = cal.activations * layer_elements(shape) * DTYPE_BYTES[dtype] * tokens
     layers = shape.hf["num_hidden_layers"]
     if checkpointing:
-        kept = CHECKPOINTED_WIDTHS * shape.hf["hidden_size"] * DTYPE_BYTES[dtype] * tokens
+        kept = cal.checkpointed_widths * shape.hf["hidden_size"] * DTYPE_BYTES[dtype] * tokens
         activations = layers * kept + per_layer
     else:
         activations = layers * per_layer
-    logit_bytes = LOGIT_COPIES * 4 + (DTYPE_BYTES[dtype] if dtype != "float32" else 0)
-    return {"activations": activations / GIB, "logits": logit_bytes * shape.hf["vocab_size"] * tokens / GIB}
+    logit_bytes = cal.logit_bytes + (DTYPE_BYTES[dtype] if device == "cpu" and dtype != "float32" else 0)
+    at_once = min(tokens, chunk_tokens or tokens)
+    return {"activations": activations / GIB, "logits": logit_bytes * shape.hf["vocab_size"] * at_once / GIB}
+
+
+def trainer_peak(
+    shape: ModelShape,
+    dtype: str,
+    zero_stage: int,
+    ranks: int,
+    tokens: int,
+    checkpointing: bool,
+    chunk_tokens: int | None = None,
+    device: str = "cuda",
+) -> dict[str, float]:
+    """GiB a trainer rank holds at its peak, by part: the model states, ZeRO-3's gathered layer,
+    and then, on a GPU, the phase that binds: the update's activations and logits, or the
+    optimizer step's fp32 gradients and buffers; on CPU all of them."""
+    weights, grads, fp32_grads, optim = (b * shape.params / GIB for b in TRAIN_BYTES[dtype])
+    states = trainer_memory(shape.params, dtype, zero_stage, ranks)
+    if zero_stage == 3:  # its 16-bit weights and gradients whole while it runs (as DeepSpeed counts)
+        states["gathered layer"] = 4 * shape.largest_layer / GIB
+    update = activation_memory(shape, tokens, dtype, checkpointing, device, chunk_tokens)
+    if not CALIBRATION[device].phases:
+        return states | update
+    fp32_share = fp32_grads / ranks if zero_stage >= 1 else fp32_grads
+    grads_share = grads / ranks if zero_stage >= 2 else grads
+    states["grads"] -= fp32_share  # held only from the optimizer step's start
+    step = {"fp32 grads": fp32_share, "step buffers": grads_share}
+    return states | (update if sum(update.values()) >= sum(step.values()) else step)
 
 
 def trained_micro_batch(cfg: RunConfig) -> tuple[str, int]:

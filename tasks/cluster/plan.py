@@ -22,17 +22,17 @@ from itertools import groupby
 from tasks.cluster.memory import (
     ENGINE_PARTS,
     ENGINE_PROFILE_TOKENS,
-    GIB,
     ModelShape,
     PlanError,
-    activation_memory,
     engine_memory,
     model_shape,
     trained_micro_batch,
-    trainer_memory,
+    trainer_peak,
 )
 from tasks.config import RunConfig
 
+# The chunk a lever proposes: at a 150K vocabulary 4096 positions' logits take ~9 GiB at once.
+LOGIT_CHUNK = 4096
 DEFAULT_NODE_CPUS = 64  # a spec without cpus=: a typical 8-GPU node's logical CPUs
 _EPS = 1e-9  # fractional CPUs: 0.1 * 3 must still fit in 0.3
 
@@ -109,14 +109,24 @@ def resources_from_ray_nodes(nodes: list[dict], gpu_memory_gib: float | None = N
 # ---------------------------------------------------------------- memory per GPU
 
 
+def _trainer_load(cfg: RunConfig, shape: ModelShape, **changes) -> dict[str, float]:
+    """A trainer rank's GPU at its peak, with `changes` to the trainer: section (a lever's)."""
+    role = cfg.trainer.model_copy(update=changes)
+    tokens = trained_micro_batch(cfg)[1]
+    return trainer_peak(
+        shape,
+        cfg.model.dtype,
+        role.zero_stage,
+        role.ranks,
+        tokens,
+        role.gradient_checkpointing,
+        role.logit_chunk_tokens,
+    )
+
+
 def _gpu_loads(cfg: RunConfig, shape: ModelShape, colocated: bool) -> dict[str, dict[str, float]]:
     """What each kind of GPU the plan uses holds: kind -> part -> GiB."""
-    dtype, role = cfg.model.dtype, cfg.trainer
-    trainer = trainer_memory(shape.params, dtype, role.zero_stage, role.ranks)
-    if role.zero_stage == 3:  # its 16-bit weights and gradients whole while it runs (as DeepSpeed counts)
-        trainer["gathered layer"] = 4 * shape.largest_layer / GIB
-    trainer |= activation_memory(shape, trained_micro_batch(cfg)[1], dtype, role.gradient_checkpointing)
-    engine = engine_memory(cfg, shape)
+    trainer, engine = _trainer_load(cfg, shape), engine_memory(cfg, shape)
     if colocated:
         return {"trainer+engine": trainer | engine}
     return ({"trainer": trainer} if cfg.trainer.gpus else {}) | ({"engine": engine} if cfg.engines.gpus else {})
@@ -129,21 +139,19 @@ def _biggest_lever(cfg: RunConfig, shape: ModelShape, parts: dict[str, float], o
         keep = parts["kv cache"] - over
         advice = f"at most {keep:.1f} GiB of KV cache fits" if keep > 0 else "it would not fit even with no KV cache"
         levers.append((parts["kv cache"], "engines.kv_cache_gib", advice))
-    stage, ranks, tp = cfg.trainer.zero_stage, cfg.trainer.ranks, cfg.engines.tensor_parallel_size
-    if "optimizer" in parts:  # the trainer's share: a higher ZeRO stage, or more ranks to shard over
-        for name, stage_to, ranks_to, change in (
-            ("trainer.zero_stage", 3, ranks, "ZeRO-3"),
-            ("trainer.ranks", stage, 2 * ranks, f"{2 * ranks} ranks"),
-        ):
-            after = trainer_memory(shape.params, cfg.model.dtype, stage_to, ranks_to)
-            saved = sum(parts[p] - after[p] for p in after)
-            if stage < 3 == stage_to:  # ZeRO-3 gathers its largest layer whole
-                saved -= 4 * shape.largest_layer / GIB
-            levers.append((saved, name, f"{change} would free {saved:.1f} GiB"))
-        if not cfg.trainer.gradient_checkpointing:
-            after = activation_memory(shape, trained_micro_batch(cfg)[1], cfg.model.dtype, checkpointing=True)
-            saved = parts["activations"] - after["activations"]
-            levers.append((saved, "trainer.gradient_checkpointing", f"true would free {saved:.1f} GiB"))
+    role, tp = cfg.trainer, cfg.engines.tensor_parallel_size
+    if "optimizer" in parts:  # the trainer's: a higher ZeRO stage, more ranks, less held at once
+        now = sum(_trainer_load(cfg, shape).values())
+        changes = [
+            ("trainer.zero_stage", {"zero_stage": 3}, "ZeRO-3"),
+            ("trainer.ranks", {"ranks": 2 * role.ranks}, f"{2 * role.ranks} ranks"),
+            ("trainer.gradient_checkpointing", {"gradient_checkpointing": True}, "true"),
+            ("trainer.logit_chunk_tokens", {"logit_chunk_tokens": LOGIT_CHUNK}, f"{LOGIT_CHUNK}"),
+        ]
+        for name, change, label in changes:
+            if all(getattr(role, field) != value for field, value in change.items()):
+                saved = now - sum(_trainer_load(cfg, shape, **change).values())
+                levers.append((saved, name, f"{label} would free {saved:.1f} GiB"))
     if "engine weights" in parts and cfg.cluster.placement == "split":
         saved = parts["engine weights"] / 2
         levers.append((saved, "engines.tensor_parallel_size", f"{2 * tp} would free {saved:.1f} GiB"))
@@ -320,9 +328,12 @@ def build_plan(cfg: RunConfig, resources: Resources) -> Plan:
     )
     phase, tokens = trained_micro_batch(cfg)
     checkpointing = "on" if cfg.trainer.gradient_checkpointing else "off"
+    chunk = cfg.trainer.logit_chunk_tokens
     notes = (
         f"activations, logits: the largest micro-batch trained, {phase}'s {tokens} tokens "
-        f"(trainer.gradient_checkpointing {checkpointing})",
+        f"(trainer.gradient_checkpointing {checkpointing}, logits of "
+        f"{f'{chunk} positions at a time' if chunk else 'every position at once'}); a trainer's GPU peaks in "
+        "its update (activations, logits) or in its optimizer step (fp32 grads, step buffers), whichever holds more",
         f"an engine may take engines.gpu_memory_utilization {cfg.engines.gpu_memory_utilization:g} of its GPU; "
         f"its activations: a {ENGINE_PROFILE_TOKENS}-token profiling pass",
     )

@@ -10,7 +10,8 @@ import glob
 import os
 import socket
 
-from tasks.cluster.plan import GIB, Node, PlanError, Resources, resources_from_ray_nodes
+from tasks.cluster.memory import GIB
+from tasks.cluster.plan import Node, PlanError, Resources, resources_from_ray_nodes
 from tasks.config.cluster import ClusterConfig
 
 CONNECT_TIMEOUT_S = 5.0

@@ -22,7 +22,8 @@ from tasks.cluster.weights import BucketLayout, SyncGroup, broadcast, bucket_lay
 from tasks.config import LossConfig, OptimConfig, TrainerConfig
 from tasks.records import Sample
 from tasks.rollout.engine import available_cores, split_cores
-from tasks.train.trainer import Trainer, by_length, free_port
+from tasks.train.distributed import free_port
+from tasks.train.trainer import Trainer, by_length
 
 
 class TrainerActor:
@@ -56,6 +57,7 @@ class TrainerActor:
         threads: int,
         zero_stage: int,
         gradient_checkpointing: bool,
+        logit_chunk_tokens: int | None,
     ):
         os.environ.pop("RSTAR2_OWN_GROUP_PORT", None)  # values a launcher (this driver) chose
         os.environ.update(
@@ -70,7 +72,15 @@ class TrainerActor:
         self.trainer = None  # the previous one's memory goes before the next one's arrives
         gc.collect()
         self.trainer = Trainer(
-            Path(model_dir), OptimConfig(**optim), total_steps, dtype, seed, threads, zero_stage, gradient_checkpointing
+            Path(model_dir),
+            OptimConfig(**optim),
+            total_steps,
+            dtype,
+            seed,
+            threads,
+            zero_stage,
+            gradient_checkpointing,
+            logit_chunk_tokens,
         )
 
     def rl_step(self, samples: list[Sample], loss: dict, temperature: float) -> tuple[dict, float]:
@@ -196,6 +206,7 @@ class TrainerGroup:
             role.threads,
             role.zero_stage,
             role.gradient_checkpointing,
+            role.logit_chunk_tokens,
         )
         return self
 

@@ -40,6 +40,10 @@ class TrainerConfig(ActorResources):
     # backward pass: activation memory from all layers' to one layer's, for about a third more
     # compute (`rstar2 plan` shows both).
     gradient_checkpointing: bool = False
+    # Positions whose output-layer logits exist at once in a step: the rest wait their turn and are
+    # recomputed in backward (tasks/rl/loss.py head_logprobs). At a 150K vocabulary the logits
+    # are a step's largest tensor; None keeps them whole (bench/memory_bench.py measures both).
+    logit_chunk_tokens: int | None = Field(None, ge=1)
     # A trainer call (an update, a checkpoint, an export) that takes longer fails the attempt.
     call_timeout_s: float = Field(600, gt=0)
 

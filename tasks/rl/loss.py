@@ -18,8 +18,11 @@ or its own kernels) can be reweighted by truncated importance sampling, as in de
 update starts), and each token is weighted by min(pi_prox / mu, is_cap), mu the behaviour policy.
 """
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 
 def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
@@ -32,6 +35,44 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     logp_all = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
     index = targets.clamp(min=0).long().unsqueeze(-1)  # (B, T, 1)
     return logp_all.gather(-1, index).squeeze(-1)  # (B, T)
+
+
+def _head_chunk(head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor, temperature: float):
+    logits = head(hidden)
+    # at least float32 (bf16 log-probs are too coarse for ratios close to 1)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(-1, targets.clamp(min=0).long().unsqueeze(-1)).squeeze(-1), entropy
+
+
+def head_logprobs(
+    head: Callable[[Tensor], Tensor],
+    hidden: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """log p(target) and the entropy (no gradient) per position, from the last hidden states.
+
+    head maps hidden states (..., H) to logits (..., V): the model's output layer. hidden (B, T, H),
+    targets (B, T) -> two (B, T) tensors of at least float32, as token_logprobs(head(hidden) / temperature).
+    With chunk_tokens, the B*T positions go through the head that many at a time, each chunk
+    recomputed in backward: the (tokens x vocab) logits, the largest tensor of a step at a 150K
+    vocabulary, then never exist whole, in the forward pass or the backward. The gradient is the
+    unchunked one; only the order of the output layer's weight-gradient sum changes.
+    """
+    flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    if chunk_tokens is None or flat_targets.numel() <= chunk_tokens:
+        logp, entropy = _head_chunk(head, flat_hidden, flat_targets, temperature)
+    else:
+        parts = [
+            checkpoint(_head_chunk, head, h, t, temperature, use_reentrant=False)
+            for h, t in zip(flat_hidden.split(chunk_tokens), flat_targets.split(chunk_tokens))
+        ]
+        logp, entropy = (torch.cat(column) for column in zip(*parts))
+    return logp.view(targets.shape), entropy.view(targets.shape)
 
 
 def _normaliser(mask: Tensor, num_tokens: int | None) -> float:
@@ -114,13 +155,12 @@ def ppo_clip_loss(
     return loss, metrics
 
 
-def sft_loss(logits: Tensor, targets: Tensor, mask: Tensor, num_tokens: int | None = None) -> Tensor:
+def sft_loss(logp: Tensor, mask: Tensor, num_tokens: int | None = None) -> Tensor:
     """Masked token-mean cross-entropy: loss = -sum_{masked} log p(target) / num_tokens.
 
     Same convention as ppo_clip_loss: num_tokens counts the trained tokens of the whole batch so
-    micro-batch losses add up; default mask.sum(). logits (B, T, V), targets and mask (B, T).
+    micro-batch losses add up; default mask.sum(). logp and mask (B, T): the targets' log-probs.
     """
     mask = mask.bool()
-    nll = -token_logprobs(logits, targets)  # (B, T)
-    nll = torch.where(mask, nll, torch.zeros_like(nll))
+    nll = torch.where(mask, -logp, torch.zeros_like(logp))
     return nll.sum() / _normaliser(mask, num_tokens)

@@ -29,13 +29,22 @@ from tasks.config import RunConfig
 from tasks.records import RunContext
 from tasks.store.tables import step_part, write_json, write_text
 
-# Where a run's actors go and how long it waits on them, not what the run computes: the fields a
-# resumed run may change (another cluster, fewer nodes after a loss, more ranks or engines).
+# Where a run's actors go, how long it waits on them and how a step holds its memory, not what the
+# run computes: the fields a resumed run may change (another cluster, fewer nodes after a loss, more ranks or engines).
 PLACEMENT = (
     "cluster",
     *(
         f"trainer.{f}"
-        for f in ("ranks", "cpus", "gpus", "resources", "threads", "call_timeout_s", "gradient_checkpointing")
+        for f in (
+            "ranks",
+            "cpus",
+            "gpus",
+            "resources",
+            "threads",
+            "call_timeout_s",
+            "gradient_checkpointing",
+            "logit_chunk_tokens",
+        )
     ),
     *(f"engines.{f}" for f in ("count", "cpus", "gpus", "resources", "max_restarts", "threads", "load_timeout_s")),
     *(f"sandbox.{f}" for f in ("replicas", "cpus", "resources", "max_restarts", "urls", "workers", "outage_timeout_s")),

@@ -8,10 +8,7 @@ with no code change.
 
 from __future__ import annotations
 
-import logging
 import math
-import os
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,51 +17,10 @@ import torch
 
 from tasks.config import LossConfig, OptimConfig
 from tasks.records import Sample
-from tasks.rl.loss import ppo_clip_loss, sft_loss, token_logprobs
+from tasks.rl.loss import head_logprobs, ppo_clip_loss, sft_loss
 from tasks.store.run_folder import universal_copy
 from tasks.train.checkpoints import checkpoint_ranks, to_universal
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def init_distributed() -> None:
-    """A single-process group unless a launcher (torchrun, deepspeed) already set one up."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    inherited = os.environ.get("RSTAR2_OWN_GROUP_PORT")
-    if "WORLD_SIZE" not in os.environ or (inherited and inherited == os.environ.get("MASTER_PORT")):
-        # Our own one-process group. Child processes inherit these variables; the marker (the
-        # port we chose) tells a child that no launcher set them (a launcher such as torchrun
-        # sets its own port), so it takes a port of its own instead of its parent's, which the
-        # parent may still listen on.
-        port = str(free_port())
-        os.environ.update(
-            {
-                "MASTER_ADDR": "127.0.0.1",
-                "RANK": "0",
-                "LOCAL_RANK": "0",
-                "WORLD_SIZE": "1",
-                "MASTER_PORT": port,
-                "RSTAR2_OWN_GROUP_PORT": port,
-            }
-        )
-    import deepspeed
-    from deepspeed.utils import groups
-
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    world = groups._WORLD_GROUP
-    if not torch.distributed.is_initialized() or (
-        world is not None and world not in torch.distributed.distributed_c10d._world.pg_map
-    ):
-        # A vLLM engine shut down in this process destroys every process group, which DeepSpeed
-        # still holds as its world and data-parallel groups (and the next engine of the same
-        # process, e.g. the next run of an ablation, creates new ones): drop those references.
-        groups._release_process_group_references(None)
-    deepspeed.init_distributed()
+from tasks.train.distributed import init_distributed
 
 
 def deepspeed_config(optim: OptimConfig, bf16: bool, zero_stage: int) -> dict:
@@ -104,6 +60,21 @@ def by_length(samples: list[Sample]) -> list[Sample]:
     return sorted(samples, key=lambda sample: len(sample.token_ids), reverse=True)
 
 
+class _TargetLogprobs(torch.nn.Module):
+    """The output layer for one forward pass: the targets' log-probs and entropy, stacked (B, T-1,
+    2), in place of logits, computed by head_logprobs (in chunks of positions where asked). It runs
+    inside the engine's forward, so DeepSpeed's backward hooks sit on what the loss is built from,
+    as they sat on the logits: its backward prologue runs before any parameter's gradient hook."""
+
+    def __init__(self, head: torch.nn.Module, targets: torch.Tensor, temperature: float, chunk_tokens: int | None):
+        super().__init__()
+        self.head, self.targets, self.temperature, self.chunk_tokens = head, targets, temperature, chunk_tokens
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logp, entropy = head_logprobs(self.head, hidden[:, :-1], self.targets, self.temperature, self.chunk_tokens)
+        return torch.stack((logp, entropy), dim=-1)
+
+
 class Trainer:
     def __init__(
         self,
@@ -115,6 +86,7 @@ class Trainer:
         threads: int = 1,
         zero_stage: int = 2,
         gradient_checkpointing: bool = False,
+        logit_chunk_tokens: int | None = None,
     ):
         import deepspeed
         from transformers import AutoModelForCausalLM
@@ -136,6 +108,7 @@ class Trainer:
         )
         self.device = self.engine.device
         self.threads = threads
+        self.logit_chunk_tokens = logit_chunk_tokens
         self.pad_id = model.config.pad_token_id or 0
 
     @contextmanager
@@ -196,8 +169,17 @@ class Trainer:
             metrics.update(zip(additive, values.tolist()))
         return metrics
 
-    def _logits(self, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-        return self.engine(input_ids=ids, attention_mask=attention).logits[:, :-1].float()  # (B, T-1, V)
+    def _logprobs(self, ids, attention, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Targets' log-probs and the entropy (B, T-1), at the sampling temperature: the model's
+        forward pass with its output layer standing in for a _TargetLogprobs for the call."""
+        model = self.engine.module
+        head = model.get_output_embeddings()
+        model.set_output_embeddings(_TargetLogprobs(head, ids[:, 1:], temperature, self.logit_chunk_tokens))
+        try:
+            both = self.engine(input_ids=ids, attention_mask=attention).logits
+        finally:
+            model.set_output_embeddings(head)
+        return both[..., 0], both[..., 1]
 
     def _batch_tokens(self, batches) -> int:
         """Kept response tokens in the whole batch, over all data-parallel ranks."""
@@ -237,7 +219,8 @@ class Trainer:
         exact = 0
         with self._threads():
             for ids, attention, target_mask, *_ in self._micro_batches(samples):
-                right = (self._logits(ids, attention).argmax(-1) == ids[:, 1:]) | (target_mask == 0)
+                logits = self.engine(input_ids=ids, attention_mask=attention).logits[:, :-1]
+                right = (logits.argmax(-1) == ids[:, 1:]) | (target_mask == 0)
                 exact += int(right.all(dim=1).sum())
         self.engine.train()
         return exact / max(len(samples), 1)
@@ -264,7 +247,7 @@ class Trainer:
         self.engine.train()
         total = 0.0
         for ids, attention, target_mask, *_ in self._stepped(batches):
-            loss = sft_loss(self._logits(ids, attention), ids[:, 1:], target_mask, num_tokens=num_tokens)
+            loss = sft_loss(self._logprobs(ids, attention)[0], target_mask, num_tokens=num_tokens)
             # Already normalised by the batch's tokens: no further division by micro-batches.
             self.engine.backward(loss * self._loss_scale(), scale_wrt_gas=False)
             self.engine.step()
@@ -290,8 +273,7 @@ class Trainer:
         if weighted:
             metrics |= {"is_weight_mean": 0.0, "is_truncated_frac": 0.0}
         for ids, attention, target_mask, advantages, behaviour in self._stepped(batches):
-            logits = self._logits(ids, attention) / temperature
-            logp = token_logprobs(logits, ids[:, 1:])
+            logp, entropy = self._logprobs(ids, attention, temperature)
             # The optimizer steps once, after the last micro-batch: until then the weights are the
             # old policy's, so its log-probs are these very values, detached (a second forward
             # pass recomputing them cost a third of the update).
@@ -313,9 +295,7 @@ class Trainer:
             share = target_mask.sum().item() / max(num_tokens, 1)
             for key, value in clip.items():
                 metrics[key] += value * share
-            with torch.no_grad():
-                log_probs = torch.log_softmax(logits, dim=-1)
-                entropy_sum += (-(log_probs.exp() * log_probs).sum(-1) * target_mask).sum().item()
+            entropy_sum += (entropy * target_mask).sum().item()
         metrics["entropy"] = entropy_sum / max(num_tokens, 1)
         metrics["tokens"] = num_tokens
         return self._finish_step(self._global(metrics, tuple(k for k in metrics if k != "tokens")))
@@ -341,7 +321,7 @@ class Trainer:
         self.engine.eval()
         out = []
         for ids, attention, *_ in self._micro_batches(samples):
-            logp = token_logprobs(self._logits(ids, attention) / temperature, ids[:, 1:])
+            logp = self._logprobs(ids, attention, temperature)[0]
             lengths = attention.sum(1) - 1
             out += [row[: int(n)].tolist() for row, n in zip(logp, lengths)]
         return out
