@@ -29,27 +29,38 @@ GIB = 2**30
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128)  # fmt: skip
 QWEN3_17B = QWEN3_06B | dict(hidden_size=2048, intermediate_size=6144)
-# name: (config.json fields, micro-batch size, sequence length, gradient checkpointing, logit chunk)
+TINY = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2)  # fmt: skip
+M100 = dict(vocab_size=8192, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+            num_key_value_heads=12)  # fmt: skip
+TWO_LAYERS = QWEN3_06B | dict(num_hidden_layers=2)
+# name: (config.json fields, micro-batch size, sequence length, gradient checkpointing)
 CASES = {
     "cpu": {
-        "tiny default (3.4M)": (dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                     num_attention_heads=4, num_key_value_heads=2), 8, 512),
-        "~100M": (dict(vocab_size=8192, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                       num_attention_heads=12, num_key_value_heads=12), 2, 1024),
+        "tiny default (3.4M), 8x512": (TINY, 8, 512, False),
+        "tiny default (3.4M), 8x512, checkpointing": (TINY, 8, 512, True),
+        "~100M, 2x1024": (M100, 2, 1024, False),
+        "~100M, 2x1024, checkpointing": (M100, 2, 1024, True),
     },
+    # The cases of the H200 table the plan's GPU terms are fitted to (docs/benchmarks.md).
     "cuda": {
-        "0.6B": (QWEN3_06B, 1, 8192),
-        "0.6B 2x8192": (QWEN3_06B, 2, 8192),
-        "1.7B": (QWEN3_17B, 1, 16384),
-        "logits alone, 2 layers": (QWEN3_06B | dict(num_hidden_layers=2), 1, 16384),
+        "0.6B 1x8192": (QWEN3_06B, 1, 8192, False),
+        "0.6B 1x8192, checkpointing": (QWEN3_06B, 1, 8192, True),
+        "0.6B 2x8192, checkpointing": (QWEN3_06B, 2, 8192, True),
+        "1.7B 1x16384, checkpointing": (QWEN3_17B, 1, 16384, True),
+        "1.7B 1x8192": (QWEN3_17B, 1, 8192, False),
+        "states alone: 0.6B 1x256": (QWEN3_06B, 1, 256, False),
+        "states alone: 1.7B 1x256": (QWEN3_17B, 1, 256, False),
+        "logits alone: 2 layers 1x16384": (TWO_LAYERS, 1, 16384, False),
+        "logits alone: 2 layers 1x32768": (TWO_LAYERS, 1, 32768, False),
     },
-}  # fmt: skip
+}
 # The logits' share of a step: a wide vocabulary at 16K tokens, whole and in chunks.
 CHUNK_CASES = {
-    "cpu": {"2 layers, 32K vocabulary": (dict(vocab_size=32768, hidden_size=256, intermediate_size=512,
-                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
-                                         1, 16384)},
-    "cuda": {"2 layers, 152K vocabulary": CASES["cuda"]["logits alone, 2 layers"], "1.7B": CASES["cuda"]["1.7B"]},
+    "cpu": {"2 layers, 32K vocabulary, 1x16384": (TWO_LAYERS | dict(vocab_size=32768, hidden_size=256,
+                                                  intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                                                  head_dim=64), 1, 16384, False)},
+    "cuda": {name: CASES["cuda"][name] for name in ("logits alone: 2 layers 1x16384", "1.7B 1x16384, checkpointing")},
 }  # fmt: skip
 CHUNK = 2048
 
@@ -107,8 +118,8 @@ def estimate(device: str, fields: dict, micro_batch: int, length: int, checkpoin
     return trainer_peak(shape, dtype, 2, 1, micro_batch * length, checkpointing, chunk, device)
 
 
-def run_case(device: str, case: tuple, checkpointing: bool, chunk: int | None) -> dict:
-    fields, micro_batch, length = case
+def run_case(device: str, case: tuple, chunk: int | None) -> dict:
+    fields, micro_batch, length, checkpointing = case
     args = json.dumps([device, fields, micro_batch, length, checkpointing, chunk])
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     out = subprocess.run([sys.executable, __file__, "--child", args], env=env, capture_output=True, text=True)
@@ -129,9 +140,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.chunks:
         for name, case in CHUNK_CASES[args.device].items():
-            checkpointing = args.device == "cuda"
-            whole, chunked = (run_case(args.device, case, checkpointing, c) for c in (None, CHUNK))
-            print(f"{name}, {case[1]}x{case[2]} tokens: peak {whole['peak']:.2f} -> {chunked['peak']:.2f} GiB "
+            whole, chunked = (run_case(args.device, case, c) for c in (None, CHUNK))
+            print(f"{name}: peak {whole['peak']:.2f} -> {chunked['peak']:.2f} GiB "
                   f"(logits term {whole['parts']['logits']:.2f} -> {chunked['parts']['logits']:.2f}, "
                   f"plan {whole['plan']:.2f} -> {chunked['plan']:.2f}), step {whole['seconds']:.2f} -> "
                   f"{chunked['seconds']:.2f} s ({chunked['seconds'] / whole['seconds']:.2f}x), grad norm "
@@ -140,12 +150,10 @@ def main() -> None:
                   flush=True)  # fmt: skip
         return
     for name, case in CASES[args.device].items():
-        for checkpointing in (False, True):
-            row = run_case(args.device, case, checkpointing, None)
-            parts = ", ".join(f"{k} {v:.3f}" for k, v in row["parts"].items())
-            print(f"{name:22s} checkpointing {'on ' if checkpointing else 'off'} {case[1] * case[2]:5d} tokens: "
-                  f"plan {row['plan']:.3f} GiB ({parts}), measured {row['peak']:.3f} GiB, "
-                  f"ratio {row['plan'] / row['peak']:.2f}, step {row['seconds']:.2f} s", flush=True)  # fmt: skip
+        row = run_case(args.device, case, None)
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in row["parts"].items())
+        print(f"{name}: plan {row['plan']:.3f} GiB ({parts}), measured {row['peak']:.3f} GiB, "
+              f"ratio {row['plan'] / row['peak']:.2f}, step {row['seconds']:.2f} s", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -45,10 +45,11 @@ holds an engine and a trainer rank, colocated, and they take turns) against rl.a
 (split placement: E GPUs of engines, the rest trainer ranks; the next step's rollouts drawn during
 the update). Rollouts: this simulation, KV-aware with the observed reserve, at the paper
 config's 419,430 KV tokens per engine, and for split engines also at --split-kv-tokens (an
-engine with the GPU to itself: ~140 GB of an MI300X after the weights). The update,
-an assumption: (6 + 2) x 14e9 FLOPs per trained token (forward and backward, plus the forward
-that gives the proximal policy's log-probs), at --update-tflops effective per GPU, on the kept
-half of the tokens drawn (G of 2G). The push: 28 GB of bf16 weights at --sync-gbps.
+engine with the GPU to itself: ~140 GB of an MI300X after the weights). The update: 8 x 14e9
+FLOPs per trained token (forward and backward, and the forward again under gradient checkpointing,
+as the paper config trains), at --update-tflops per GPU, by default the trainer's measured rate
+on an H200 (tasks/cluster/throughput.py; no MI300X figure is measured), on the kept half of the
+tokens drawn (G of 2G). The push: 28 GB of bf16 weights at --sync-gbps.
 """
 
 import argparse
@@ -64,6 +65,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tasks.cluster.throughput import MEASURED, flops_per_token  # noqa: E402
 from tasks.rl.asynchrony import step_time  # noqa: E402
 from tasks.rollout.scheduler import make_scheduler, reserve_tokens  # noqa: E402
 
@@ -372,7 +374,7 @@ def async_estimate(args: argparse.Namespace) -> None:
     trained_tokens = 0.5 * sum(sizes)
 
     def update_s(gpus: int) -> float:
-        return trained_tokens * 8 * 14e9 / (gpus * args.update_tflops * 1e12)
+        return trained_tokens * flops_per_token(14e9, checkpointing=True) / (gpus * args.update_tflops * 1e12)
 
     def rollout_s(engines: int, kv_tokens: int = hw.kv_tokens) -> float:
         fresh = [Rollout(r.prompt, r.turns, r.tools, context=r.prompt) for r in rollouts]
@@ -419,7 +421,12 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--async", dest="overlap", action="store_true", help="step time: off vs rl.async one_step")
-    parser.add_argument("--update-tflops", type=float, default=400.0, help="--async: trainer FLOP/s per GPU (1e12)")
+    parser.add_argument(
+        "--update-tflops",
+        type=float,
+        default=MEASURED["h200"].tflops,
+        help=f"--async: trainer FLOP/s per GPU (1e12); default measured: {MEASURED['h200'].source}",
+    )
     parser.add_argument("--sync-gbps", type=float, default=25.0, help="--async: weight push, GB/s")
     parser.add_argument(
         "--split-kv-tokens", type=int, default=850_000, help="--async: KV tokens of an engine with a GPU of its own"

@@ -71,7 +71,7 @@ def _plan(args: argparse.Namespace) -> None:
 
     cfg = load_config(args.config, parse_overrides(args.set))
     resources = parse_resources(args.resources) if args.resources else run_resources(cfg.cluster, args.gpu_memory_gib)
-    print(format_plan(build_plan(cfg, resources)))
+    print(format_plan(build_plan(cfg, resources, args.gpu_class)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="GiB per GPU of a Ray cluster (Ray does not report it; default: memory per GPU not checked)",
     )
+    plan.add_argument("--gpu-class", default=None, help="the GPUs' class, for the update time (measured: h200)")
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     args = parser.parse_args(argv)
     if args.command == "plan":

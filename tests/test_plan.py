@@ -23,6 +23,7 @@ from tasks.cluster.memory import (
     trainer_peak,
 )
 from tasks.cluster.plan import Node, PlanError, build_plan, format_plan, parse_resources, resources_from_ray_nodes
+from tasks.cluster.throughput import update_seconds
 from tasks.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -351,9 +352,23 @@ def test_an_unreadable_model_without_its_shape_is_refused():
     [("tiny.yaml", "1x0:cpus=2"), ("qwen3-4b-8gpu.yaml", "1x8x80"), ("qwen3-14b-paper.yaml", PAPER_CLUSTER)],
 )
 def test_shipped_configs_fit_their_clusters(config, spec, capsys):
-    main(["plan", "--config", str(CONFIGS / config), "--resources", spec])
+    main(["plan", "--config", str(CONFIGS / config), "--resources", spec, "--gpu-class", "h200"])
     out = capsys.readouterr().out
     assert out.startswith("plan  ") and "trainer 0" in out and "sandbox 0" in out
+    assert ("update time per RL step: at most" in out) == (config != "tiny.yaml")  # GPUs only
+
+
+def test_update_time_by_hand_from_the_measured_rate():
+    cfg = load_config(CONFIGS / "qwen3-4b-8gpu.yaml")
+    # The longest stage: 128 problems x G kept rollouts of 8192 response tokens + the 1312-token
+    # prompt that 13312 - 12000 (evaluation's budget) leaves; 8N FLOPs a token with checkpointing.
+    tokens = 128 * cfg.rl.group_size * (8192 + 1312)
+    params = model_shape(cfg).params
+    seconds, counted, rate = update_seconds(cfg, params, "h200")
+    assert counted == tokens and rate.tflops == 263
+    assert seconds == pytest.approx(tokens * 8 * params / (8 * 263e12))
+    unmeasured = build_plan(cfg, parse_resources("1x8x80"), gpu_class="mi300x")
+    assert any(note.startswith("update time per RL step: give --gpu-class") for note in unmeasured.notes)
 
 
 def test_cli_refusal_is_one_line_on_stderr_and_exit_2(capsys):

@@ -201,13 +201,18 @@ def trainer_peak(
     return states | (update if sum(update.values()) >= sum(step.values()) else step)
 
 
-def trained_micro_batch(cfg: RunConfig) -> tuple[str, int]:
-    """The phase whose micro-batch holds the most tokens, and how many: SFT's samples are at most
-    sft.max_len; an RL rollout at most its stage's response budget plus the prompt, which gets
-    what engines.max_model_len leaves beside the longest budget (evaluation's included)."""
+def rollout_tokens(cfg: RunConfig, budget: int) -> int:
+    """A rollout's most tokens at a response budget: the budget plus the prompt, which gets what
+    engines.max_model_len leaves beside the longest budget (evaluation's included)."""
     budgets = [s.max_response_tokens for s in cfg.rl.stages]
     prompt = max(cfg.engines.max_model_len - max([*budgets, cfg.eval.max_response_tokens]), 0)
-    rollout = min(cfg.engines.max_model_len, max(budgets, default=0) + prompt)  # no stages: SFT alone
+    return min(cfg.engines.max_model_len, budget + prompt)
+
+
+def trained_micro_batch(cfg: RunConfig) -> tuple[str, int]:
+    """The phase whose micro-batch holds the most tokens, and how many: SFT's samples are at most
+    sft.max_len; an RL rollout at most rollout_tokens at its stage's budget."""
+    rollout = rollout_tokens(cfg, max([s.max_response_tokens for s in cfg.rl.stages], default=0))  # no stages: SFT
     rl, sft = cfg.rl.optim.micro_batch_size * rollout, cfg.sft.optim.micro_batch_size * cfg.sft.max_len
     return ("rl", rl) if rl >= sft else ("sft", sft)
 

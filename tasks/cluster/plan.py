@@ -9,8 +9,9 @@ what they ask for; colocated on GPUs (trainer.gpus > 0), rank i and engine i sha
 each. Memory per GPU counts a rank's model states (as DeepSpeed's own estimators do), ZeRO-3's
 gathered largest layer, the activations and logits of the largest micro-batch it trains on, and an
 engine's share as vLLM budgets it: weights, KV cache, the activations of its profiling pass and
-CUDA graphs, within gpu_memory_utilization of the GPU. The activation terms are calibrated against
-measured peaks of real trainer steps (bench/memory_bench.py, docs/benchmarks.md).
+CUDA graphs, within gpu_memory_utilization of the GPU. A rank's terms are fitted to measured GPU
+peaks of real trainer steps, whose update and optimizer step peak apart (bench/memory_bench.py,
+docs/benchmarks.md); given the GPU class, the update time of an RL step at the measured rate.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tasks.cluster.memory import (
     trained_micro_batch,
     trainer_peak,
 )
+from tasks.cluster.throughput import MEASURED, update_seconds
 from tasks.config import RunConfig
 
 # The chunk a lever proposes: at a 150K vocabulary 4096 positions' logits take ~9 GiB at once.
@@ -287,9 +289,9 @@ def _check_shape(cfg: RunConfig, shape: ModelShape, colocated: bool) -> None:
         )
 
 
-def build_plan(cfg: RunConfig, resources: Resources) -> Plan:
-    """Place the config's actors on `resources` and estimate each GPU's memory; PlanError if the
-    plan cannot fit."""
+def build_plan(cfg: RunConfig, resources: Resources, gpu_class: str | None = None) -> Plan:
+    """Place the config's actors on `resources` and estimate each GPU's memory (and, given the GPU
+    class, an RL step's update time); PlanError if the plan cannot fit."""
     c = cfg.cluster
     colocated = c.placement == "colocated" and cfg.trainer.gpus > 0  # as tasks/cluster/actors.py decides
     shape = model_shape(cfg)
@@ -337,7 +339,20 @@ def build_plan(cfg: RunConfig, resources: Resources) -> Plan:
         f"an engine may take engines.gpu_memory_utilization {cfg.engines.gpu_memory_utilization:g} of its GPU; "
         f"its activations: a {ENGINE_PROFILE_TOKENS}-token profiling pass",
     )
+    if loads and cfg.rl.stages:
+        notes += (_update_note(cfg, shape, gpu_class),)
     return Plan(tuple(actors), loads, resources, summary, notes)
+
+
+def _update_note(cfg: RunConfig, shape: ModelShape, gpu_class: str | None) -> str:
+    if gpu_class not in MEASURED:
+        return f"update time per RL step: give --gpu-class, one of the measured {', '.join(MEASURED)}"
+    seconds, tokens, rate = update_seconds(cfg, shape.params, gpu_class)
+    per_token = "8N (checkpointing)" if cfg.trainer.gradient_checkpointing else "6N"
+    return (
+        f"update time per RL step: at most {seconds:.0f} s ({tokens / 1e6:.1f}M trained tokens x {per_token} "
+        f"FLOPs over {cfg.trainer.ranks} ranks at {rate.tflops:g} TFLOP/s each, measured: {rate.source})"
+    )
 
 
 # ---------------------------------------------------------------- the printed plan
