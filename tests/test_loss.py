@@ -33,9 +33,10 @@ def make_inputs(seed: int = 0, B: int = 6, T: int = 9):
     return logp, old_logp, advantages, mask
 
 
-def reference_loss_and_grad(logp, old_logp, advantages, mask, num_tokens=None, behaviour=None, cap=None):
+def reference_loss_and_grad(logp, old_logp, advantages, mask, num_tokens=None, behaviour=None, cap=None, mode=None):
     """Elementwise float64 reference: loss, d loss / d logp, and clip counts; with `behaviour`
-    (the log-probs of the policy that drew each token) each token weighted by min(pi_old / mu, cap)."""
+    (the log-probs of the policy that drew each token) each token weighted by w = pi_old / mu,
+    min(w, cap) (mode truncate) or 0 over the cap (mode mask)."""
     B, T = logp.shape
     N = float(mask.sum()) if num_tokens is None else float(num_tokens)
     loss, grad = 0.0, np.zeros((B, T))
@@ -46,7 +47,9 @@ def reference_loss_and_grad(logp, old_logp, advantages, mask, num_tokens=None, b
             if not mask[b, t]:
                 continue
             r = math.exp(logp[b, t] - old_logp[b, t])
-            w = 1.0 if behaviour is None else min(math.exp(old_logp[b, t] - behaviour[b, t]), cap)
+            w = 1.0 if behaviour is None else math.exp(old_logp[b, t] - behaviour[b, t])
+            if behaviour is not None:
+                w = min(w, cap) if mode == "truncate" else (w if w <= cap else 0.0)
             clipped = min(max(r, 1 - EPS_LOW), 1 + EPS_HIGH)
             value = max(-r * A, -clipped * A)  # = -min(rA, clip(r)A)
             if A < 0:
@@ -81,14 +84,15 @@ def test_inputs_cover_every_regime():
 # give ~2.5e-6 per token's r * w * A, plus a 35-term sum (34u = 2e-6 of sum |l|): ~1e-5 at worst.
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
-@pytest.mark.parametrize("weighted", [False, True], ids=["on-policy", "importance-weighted"])
-def test_ppo_clip_loss_matches_reference(seed, dtype, tol, weighted):
+@pytest.mark.parametrize("mode", [None, "truncate", "mask"], ids=["on-policy", "is-truncate", "is-mask"])
+def test_ppo_clip_loss_matches_reference(seed, dtype, tol, mode):
     """Weighted: tokens drawn by a behaviour policy mu with log(pi_old / mu) over [-1.5, 1.5], so
-    weights from 0.22 to 4.5, some above the cap of 2."""
+    weights from 0.22 to 4.5, some above the cap of 2 and some below its inverse."""
     logp_np, old_np, adv_np, mask_np = make_inputs(seed)
-    behaviour_np = old_np - np.random.default_rng(seed + 10).uniform(-1.5, 1.5, size=old_np.shape)
+    log_ratio = np.random.default_rng(seed + 10).uniform(-1.5, 1.5, size=old_np.shape)
+    behaviour_np = old_np - log_ratio
     weights = np.exp(old_np - behaviour_np)
-    assert (mask_np & (weights > 2.0)).any() and (mask_np & (weights < 1.0)).any()
+    assert (mask_np & (weights > 2.0)).any() and (mask_np & (weights < 0.5)).any()
     logp = torch.tensor(logp_np, dtype=dtype, requires_grad=True)
     behaviour = torch.tensor(behaviour_np, dtype=dtype, requires_grad=True)
     loss, metrics = ppo_clip_loss(
@@ -99,10 +103,10 @@ def test_ppo_clip_loss_matches_reference(seed, dtype, tol, weighted):
         eps_low=EPS_LOW,
         eps_high=EPS_HIGH,
         dual_clip=DUAL,
-        **({"behaviour_logp": behaviour, "is_cap": 2.0} if weighted else {}),
+        **({"behaviour_logp": behaviour, "is_cap": 2.0, "is_mode": mode} if mode else {}),
     )
     loss.backward()
-    reference = {"behaviour": behaviour_np, "cap": 2.0} if weighted else {}
+    reference = {"behaviour": behaviour_np, "cap": 2.0, "mode": mode} if mode else {}
     ref_loss, ref_grad, (low, high, dual) = reference_loss_and_grad(logp_np, old_np, adv_np, mask_np, **reference)
     assert loss.item() == pytest.approx(ref_loss, rel=tol, abs=tol)
     np.testing.assert_allclose(logp.grad.double().numpy(), ref_grad, rtol=tol, atol=tol)
@@ -111,11 +115,22 @@ def test_ppo_clip_loss_matches_reference(seed, dtype, tol, weighted):
     assert metrics["clip_frac_low"] == pytest.approx(low / n)
     assert metrics["clip_frac_high"] == pytest.approx(high / n)
     assert metrics["dual_clip_frac"] == pytest.approx(dual / n)
-    if weighted:
-        assert metrics["is_weight_mean"] == pytest.approx(np.minimum(weights, 2.0)[mask_np].sum() / n, rel=tol)
+    if mode:
+        applied = np.minimum(weights, 2.0) if mode == "truncate" else np.where(weights > 2.0, 0.0, weights)
+        assert metrics["is_weight_mean"] == pytest.approx(applied[mask_np].sum() / n, rel=tol)
         assert metrics["is_truncated_frac"] == pytest.approx((weights > 2.0)[mask_np].sum() / n)
+        assert metrics["is_below_inverse_cap_frac"] == pytest.approx((weights < 0.5)[mask_np].sum() / n)
+        assert metrics["is_log_ratio_mean"] == pytest.approx(log_ratio[mask_np].mean(), rel=tol, abs=tol)
+        assert metrics["is_log_ratio_abs_mean"] == pytest.approx(np.abs(log_ratio)[mask_np].mean(), rel=tol)
     else:
         assert "is_weight_mean" not in metrics
+
+
+def test_an_unknown_importance_sampling_mode_is_refused():
+    logp_np, old_np, adv_np, mask_np = make_inputs(0)
+    args = [torch.tensor(t) for t in (logp_np, old_np, adv_np, mask_np)]
+    with pytest.raises(ValueError, match="is_mode 'clip'"):
+        ppo_clip_loss(*args, behaviour_logp=args[1], is_mode="clip")
 
 
 def test_a_behaviour_policy_equal_to_the_proximal_one_changes_nothing():

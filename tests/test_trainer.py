@@ -135,7 +135,8 @@ def test_gradient_checkpointing_gives_the_same_update(trainer, tmp_path):
 def test_importance_weights_read_the_samples_behaviour_log_probs(trainer, tmp_path):
     """rl.loss.is_cap on: samples drawn by the update's own policy train as without it (every
     weight 1); drawn by another one (its log-probs 0.5 lower: weights e^0.5, capped at 1.5) each
-    token's loss counts 1.5 times, and the metrics say how many weights the cap truncated."""
+    token's loss counts 1.5 times, and the metrics say how many weights the cap truncated; with
+    is_mode mask those tokens leave the loss."""
     model_dir = trainer.save_pretrained(tmp_path / "policy")
     optim = OptimConfig(lr=1e-2, warmup_steps=0, micro_batch_size=2)
     plain = _samples([1.0, -1.0, 0.5])
@@ -149,7 +150,8 @@ def test_importance_weights_read_the_samples_behaviour_log_probs(trainer, tmp_pa
 
     after, metrics = [], []
     for samples, loss in ((plain, LossConfig()), (with_behaviour(0.0), LossConfig(is_cap=1.5)),
-                          (with_behaviour(0.5), LossConfig(is_cap=1.5))):  # fmt: skip
+                          (with_behaviour(0.5), LossConfig(is_cap=1.5)),
+                          (with_behaviour(0.5), LossConfig(is_cap=1.5, is_mode="mask"))):  # fmt: skip
         fresh = Trainer(model_dir, optim, total_steps=10)
         metrics.append(fresh.rl_step(samples, loss))
         after.append(dict(fresh.named_weights()))
@@ -164,6 +166,10 @@ def test_importance_weights_read_the_samples_behaviour_log_probs(trainer, tmp_pa
     assert metrics[2]["is_weight_mean"] == pytest.approx(1.5) and metrics[2]["is_truncated_frac"] == 1.0
     # Before Adam, at ratio 1: each token's loss is exactly -1.5 A (e^0.5 capped); only the roundings differ, ~1e-7
     assert metrics[2]["loss"] == pytest.approx(1.5 * metrics[0]["loss"], rel=1e-4)
+    assert metrics[2]["is_log_ratio_mean"] == pytest.approx(0.5, abs=1e-4)  # log(pi_old / mu), reported per step
+    # AReaL's mask: every weight is over the cap, so no token trains and the weights stay put.
+    assert metrics[3]["is_weight_mean"] == 0 and metrics[3]["loss"] == 0 and metrics[3]["is_truncated_frac"] == 1
+    assert gap(after[3], {n: t for n, t in Trainer(model_dir, optim, total_steps=10).named_weights()}) == 0
     # A sample whose log-probs do not cover its tokens is refused before any update, never padded.
     short = with_behaviour(0.0)
     short[1] = Sample(short[1].token_ids, short[1].loss_mask, 1.0, short[1].behaviour_logprobs[:-1])

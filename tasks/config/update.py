@@ -38,11 +38,14 @@ class LossConfig(_Strict):
     # and wrong rollouts are the long ones, so at 1 pushing down outweighs pulling up; on the tiny
     # default that raised entropy and tool errors over stage 1 (docs/experiments.md).
     negative_weight: float = Field(1.0, ge=0.0, le=1.0)
-    # Truncated importance sampling (decoupled PPO, as in AReaL): each token weighted by
+    # Truncated importance sampling (decoupled PPO): each token weighted by
     # min(pi_trainer / pi_engine, is_cap), pi_engine the log-probs the engine sampled it with. It
     # corrects rollouts drawn by other weights or other kernels than the update's starting
     # policy. None: the update's own log-probs stand for the engine's (the paper).
     is_cap: float | None = Field(None, ge=1.0)
+    # Over the cap: truncate the weight to it (verl's truncated IS, the default), or mask the token
+    # out of the loss (AReaL's decoupled PPO). docs/async.md compares them.
+    is_mode: Literal["truncate", "mask"] = "truncate"
 
 
 class AsyncConfig(_Strict):

@@ -13,9 +13,10 @@ The RL objective (rStar2-Agent, arXiv 2508.20722) departs from textbook GRPO in 
 Tool-response tokens are removed by the mask, the same way as padding. Not from the paper:
 `negative_weight` (default 1, the paper's loss) scales the tokens of negative-advantage rollouts,
 and tokens drawn by another policy than the update's starting one (the engine's: stale weights,
-or its own kernels) can be reweighted by truncated importance sampling, as in decoupled PPO
-(AReaL): the clipped ratio is taken against the proximal policy (the trainer's weights as the
-update starts), and each token is weighted by min(pi_prox / mu, is_cap), mu the behaviour policy.
+or its own kernels) can be reweighted by importance sampling, as in decoupled PPO: the clipped
+ratio is taken against the proximal policy (the trainer's weights as the update starts), and each
+token is weighted by pi_prox / mu, mu the behaviour policy, truncated at is_cap (verl's TIS) or
+masked out over it (AReaL).
 """
 
 from collections.abc import Callable
@@ -93,6 +94,7 @@ def ppo_clip_loss(
     negative_weight: float = 1.0,
     behaviour_logp: Tensor | None = None,
     is_cap: float = 2.0,
+    is_mode: str = "truncate",
 ) -> tuple[Tensor, dict[str, float]]:
     """Token-level PPO-clip loss with clip-higher and dual-clip, token-mean normalised.
 
@@ -101,7 +103,9 @@ def ppo_clip_loss(
         l     = -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
         l     = min(l, -dual_clip * A)                     only when A < 0   (dual-clip)
         l     = negative_weight * l                        only when A < 0
-        l     = min(exp(old_logp - behaviour_logp), is_cap) * l    only with behaviour_logp
+        w     = exp(old_logp - behaviour_logp)                 only with behaviour_logp:
+        l     = min(w, is_cap) * l                             is_mode truncate (verl's TIS)
+        l     = (w if w <= is_cap else 0) * l                  is_mode mask (AReaL)
         loss  = sum_{masked tokens} l / num_tokens
 
     old_logp is then the proximal policy's and behaviour_logp the policy that drew the token;
@@ -118,7 +122,10 @@ def ppo_clip_loss(
     Metrics (fractions of this call's masked tokens, where the clip is binding and so the
     gradient is zero): clip_frac_low (A < 0, r < 1 - eps_low), clip_frac_high (A > 0,
     r > 1 + eps_high), dual_clip_frac (A < 0, r > dual_clip); with behaviour_logp also
-    is_weight_mean (the truncated weights' mean) and is_truncated_frac (weights over is_cap).
+    is_weight_mean (the applied weights' mean), is_truncated_frac (weights over is_cap: truncated
+    or masked), is_below_inverse_cap_frac (weights under 1 / is_cap), is_log_ratio_mean (the mean of
+    log(pi_old / mu): how far the behaviour policy is from the update's start) and
+    is_log_ratio_abs_mean (the mean engine/trainer log-prob gap).
     """
     mask = mask.bool()
     if advantages.dim() == 1:
@@ -132,8 +139,16 @@ def ppo_clip_loss(
     negative = advantages < 0
     per_token = torch.where(negative, negative_weight * torch.minimum(per_token, -dual_clip * advantages), per_token)
     if behaviour_logp is not None:
-        weight = torch.exp(old_logp - behaviour_logp.to(logp.dtype).detach())
-        per_token = per_token * weight.clamp(max=is_cap)
+        log_ratio = old_logp - behaviour_logp.to(logp.dtype).detach()
+        weight = torch.exp(log_ratio)
+        over = weight > is_cap
+        if is_mode == "truncate":
+            applied = weight.clamp(max=is_cap)
+        elif is_mode == "mask":
+            applied = torch.where(over, torch.zeros_like(weight), weight)
+        else:
+            raise ValueError(f"is_mode {is_mode!r}: expected 'truncate' or 'mask'")
+        per_token = per_token * applied
     # where() rather than a multiply: a padded position can hold inf/nan and 0 * inf = nan
     per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
     loss = per_token.sum() / _normaliser(mask, num_tokens)
@@ -150,8 +165,11 @@ def ppo_clip_loss(
             "dual_clip_frac": dual.sum().item() / count,
         }
         if behaviour_logp is not None:
-            metrics["is_weight_mean"] = weight.clamp(max=is_cap)[mask].sum().item() / count
-            metrics["is_truncated_frac"] = ((weight > is_cap) & mask).sum().item() / count
+            metrics["is_weight_mean"] = applied[mask].sum().item() / count
+            metrics["is_truncated_frac"] = (over & mask).sum().item() / count
+            metrics["is_below_inverse_cap_frac"] = ((weight < 1 / is_cap) & mask).sum().item() / count
+            metrics["is_log_ratio_mean"] = log_ratio[mask].sum().item() / count
+            metrics["is_log_ratio_abs_mean"] = log_ratio[mask].abs().sum().item() / count
     return loss, metrics
 
 

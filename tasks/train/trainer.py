@@ -271,7 +271,8 @@ class Trainer:
         metrics = {"loss": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "dual_clip_frac": 0.0}
         entropy_sum = 0.0
         if weighted:
-            metrics |= {"is_weight_mean": 0.0, "is_truncated_frac": 0.0}
+            metrics |= dict.fromkeys(("is_weight_mean", "is_truncated_frac", "is_below_inverse_cap_frac",
+                                      "is_log_ratio_mean", "is_log_ratio_abs_mean"), 0.0)  # fmt: skip
         for ids, attention, target_mask, advantages, behaviour in self._stepped(batches):
             logp, entropy = self._logprobs(ids, attention, temperature)
             # The optimizer steps once, after the last micro-batch: until then the weights are the
@@ -287,7 +288,11 @@ class Trainer:
                 loss_cfg.dual_clip,
                 num_tokens=num_tokens,
                 negative_weight=loss_cfg.negative_weight,
-                **({"behaviour_logp": behaviour, "is_cap": loss_cfg.is_cap} if weighted else {}),
+                **(
+                    {"behaviour_logp": behaviour, "is_cap": loss_cfg.is_cap, "is_mode": loss_cfg.is_mode}
+                    if weighted
+                    else {}
+                ),
             )
             self.engine.backward(loss * self._loss_scale(), scale_wrt_gas=False)
             self.engine.step()
