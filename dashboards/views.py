@@ -32,6 +32,6 @@ def connect(runs: str | Path) -> duckdb.DuckDBPyConnection:
             continue
         try:
             db.execute(statement)
-        except duckdb.IOException:
-            pass  # no files for this table yet
+        except (duckdb.IOException, duckdb.CatalogException):
+            pass  # no files for this table yet, or for a table this view reads
     return db

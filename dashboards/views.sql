@@ -10,6 +10,14 @@ CREATE OR REPLACE VIEW tool_calls AS
     SELECT run_id, stage, step, problem_id, sample, unnest(tool_statuses) AS status,
            generate_subscripts(tool_statuses, 1) AS call
     FROM rollouts;
+-- One row per assistant turn, unnested from the rollouts: the engine that served it, the request's
+-- context and what was new in it, the tokens generated, when it was sent and came back (epoch
+-- seconds), and its tool call's latency and response tokens (null latency: no call answered).
+CREATE OR REPLACE VIEW turns AS
+    SELECT run_id, stage, step, problem_id, sample, turn, t.engine, t.context_tokens, t.added_tokens,
+           t.generated_tokens, t.started_at, t.ended_at, t.ended_at - t.started_at AS generation_s,
+           t.tool_latency_s, t.tool_response_tokens
+    FROM (SELECT *, unnest(turn_trace) AS t, generate_subscripts(turn_trace, 1) AS turn FROM rollouts);
 -- One row per (run, stage, step, metric): everything an RL step logged to MLflow.
 CREATE OR REPLACE VIEW steps AS SELECT * FROM {steps};
 -- One row per (run, checkpoint, benchmark): avg@k pass@1 and tool use.

@@ -18,8 +18,9 @@ Run: .venv/bin/python -m pytest tests/test_roc_status.py -q
 
 import pytest
 
+from dashboards.views import connect
 from tasks.config import EnginesConfig, RocConfig
-from tasks.records import Rollouts, RolloutSpec, ToolStatus, Trajectory
+from tasks.records import Problem, Rollouts, RolloutSpec, RolloutTimes, ToolStatus, Trajectory
 from tasks.reward.verify import count_answer_blocks
 from tasks.rl.batch import training_batch, trajectory_score
 from tasks.rollout.agent import ToolRunner, run_rollouts
@@ -27,6 +28,7 @@ from tasks.rollout.engine import FinishedTurn
 from tasks.rollout.format import TOOL_CALL_CLOSE, answer_text, tool_call_text
 from tasks.sandbox.executor import Limits
 from tasks.sandbox.server import SandboxService
+from tasks.store.tables import ROLLOUTS, rollout_rows, step_part, write_table
 from tests.sandbox_helpers import execute
 
 TOOL = "execute_python_code_with_standard_io"
@@ -146,9 +148,36 @@ def selected(sandbox) -> dict[str, tuple[Trajectory, bool]]:
     return {t.problem_id: (t, kept) for t, kept in zip(trajectories, batch.kept) if t.sample == 0}
 
 
-def test_the_scripted_rollouts_run_as_written(selected) -> None:
+def test_the_scripted_rollouts_run_as_written(selected, tmp_path) -> None:
     for traj, _ in selected.values():
         assert (traj.turns, traj.stop_reason, len(traj.tool_calls)) == (2, "answer", 1), traj.response
+        # Each turn's trace: the prompt, then the tool's answer, is what each request added.
+        first, second = traj.turn_traces
+        assert first.engine == second.engine == 0
+        assert first.added_tokens == first.context_tokens == len(traj.prompt_ids)
+        assert first.tool_latency_s == traj.tool_calls[0].latency_s and first.tool_response_tokens > 0
+        assert second.added_tokens == first.tool_response_tokens and second.tool_latency_s is None
+        assert second.context_tokens == first.context_tokens + first.generated_tokens + first.tool_response_tokens
+        assert len(traj.prompt_ids) + len(traj.response_ids) == second.context_tokens + second.generated_tokens
+        assert first.started_at <= first.ended_at <= second.started_at <= second.ended_at
+    # Written with the rollouts, read back one row per turn by the DuckDB view `turns`.
+    rollouts = Rollouts([Problem(name, "product", 1, "What is 6 * 7?", "42", "print(6 * 7)") for name in selected],
+                        [t for t, _ in selected.values()],
+                        RolloutTimes())  # fmt: skip
+    rollouts.rewards, rollouts.predicted = [1.0] * len(selected), ["42"] * len(selected)
+    write_table(rollout_rows("r", "stage1", 0, rollouts), ROLLOUTS, step_part(tmp_path, "rollouts", "stage1", 0))
+    rows = (
+        connect(tmp_path)
+        .execute(
+            "SELECT turn, engine, added_tokens, generated_tokens, tool_latency_s IS NOT NULL, generation_s >= 0 "
+            "FROM turns WHERE problem_id = 'error_words_on_stdout' ORDER BY turn"
+        )
+        .fetchall()
+    )
+    traj = selected["error_words_on_stdout"][0]
+    assert rows == [
+        (i, 0, trace.added_tokens, trace.generated_tokens, i == 1, True) for i, trace in enumerate(traj.turn_traces, 1)
+    ]
 
 
 @pytest.mark.parametrize("name", LOOKS_WRONG)

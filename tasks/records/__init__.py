@@ -103,6 +103,21 @@ class ToolCallRecord:
 
 
 @dataclass
+class TurnTrace:
+    """One assistant turn as the engines served it: enough to replay a batch through a scheduler
+    simulation (bench/scheduler_sim.py) or read one rollout's timeline."""
+
+    engine: int  # the engine that generated it
+    context_tokens: int  # the request's tokens: the prompt and every turn and tool response before
+    added_tokens: int  # of those, new since the turn before (the prompt, or the last tool response)
+    generated_tokens: int
+    started_at: float  # epoch seconds: the request sent to the engine
+    ended_at: float  # epoch seconds: the turn back from it
+    tool_latency_s: float | None = None  # its tool call, sent to answered; None: no call answered
+    tool_response_tokens: int = 0  # what the tool's answer added
+
+
+@dataclass
 class Trajectory:
     problem_id: str
     sample: int
@@ -115,6 +130,7 @@ class Trajectory:
     stop_reason: str = ""  # answer | no_answer | max_turns | budget
     behaviour_logprobs: list[float] = field(default_factory=list)  # per response token; 0 on tool tokens
     policy_version: int = 0  # the weights that drew it: the stage's step whose update they start
+    turn_traces: list[TurnTrace] = field(default_factory=list)
 
     def extend(self, ids: list[int], text: str, trainable: bool, logprobs: list[float] | None = None) -> None:
         """Append a turn: generated tokens (trainable) with the engine's log-prob of each, or tool
@@ -142,7 +158,8 @@ class Trajectory:
     @classmethod
     def from_dict(cls, row: dict[str, Any]) -> Trajectory:
         calls = [ToolCallRecord(**{**c, "status": ToolStatus(c["status"])}) for c in row["tool_calls"]]
-        return cls(**{**row, "tool_calls": calls})
+        traces = [TurnTrace(**t) for t in row["turn_traces"]]
+        return cls(**{**row, "tool_calls": calls, "turn_traces": traces})
 
 
 @dataclass

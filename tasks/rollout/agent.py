@@ -25,7 +25,7 @@ from typing import Protocol
 from tqdm import tqdm
 
 from tasks.config import EnginesConfig
-from tasks.records import RolloutSpec, RolloutTimes, ToolCallRecord, ToolResult, ToolStatus, Trajectory
+from tasks.records import RolloutSpec, RolloutTimes, ToolCallRecord, ToolResult, ToolStatus, Trajectory, TurnTrace
 from tasks.rollout.engine import FinishedTurn
 from tasks.rollout.format import (
     ANSWER_OPEN,
@@ -195,6 +195,7 @@ class _Batch:
         self.engine_of: dict[int, int] = {}
         self.generating: set[int] = set()
         self.pending_tools: dict[int, tuple[Future, float]] = {}
+        self.sent_at: dict[int, float] = {}  # when each generating rollout's turn went to its engine
         self.active: set[int] = set()  # admitted, not ended
         self.closed = False  # no more admissions: the batch ends with the rollouts in flight
         self.abandoned = False  # no more turns or tool calls either: it ends once the engines are idle
@@ -244,6 +245,7 @@ class _Batch:
             traj.truncate(limit)
             self.end_rollout(index)
             return
+        self.sent_at[index] = time.time()
         self.engines.add_request(
             self.engine_of[index],
             f"{index}:{traj.turns}",
@@ -276,12 +278,13 @@ class _Batch:
     def end_turns(self, turns: list[tuple[int, FinishedTurn]]) -> None:
         """Each finished turn ends its rollout, or sends its tool call (a call that does not
         parse is answered with the parse error, recipe.md section 2)."""
-        for _, turn in turns:
+        for engine, turn in turns:
             index = int(turn.request_id.split(":")[0])
             self.generating.discard(index)
             if self.abandoned:
                 continue
             traj = self.trajectories[index]
+            self.trace_turn(traj, engine, len(turn.token_ids), self.sent_at.pop(index))
             text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=False)
             action = end_turn(
                 traj, turn.token_ids, text, turn.finish_reason, self.spec, self.tool_call_close, turn.logprobs
@@ -295,6 +298,13 @@ class _Batch:
             else:
                 self.pending_tools[index] = (self.tools.submit(action.code, action.stdin), time.perf_counter())
 
+    @staticmethod
+    def trace_turn(traj: Trajectory, engine: int, generated: int, sent_at: float) -> None:
+        context = len(traj.prompt_ids) + len(traj.response_ids)
+        last = traj.turn_traces[-1] if traj.turn_traces else None
+        added = context - (last.context_tokens + last.generated_tokens) if last else context
+        traj.turn_traces.append(TurnTrace(engine, context, added, generated, sent_at, time.time()))
+
     def answer_tools(self) -> None:
         """Each answered tool call goes into its rollout, whose next turn is submitted."""
         for index in [i for i, (f, _) in self.pending_tools.items() if f.done()]:
@@ -305,7 +315,9 @@ class _Batch:
             record.status, record.latency_s = result.status, time.perf_counter() - sent_at
             self.times.tool_exec_s += result.wall_s
             text = tool_response_text(render_tool_result(result, self.spec.tool_response_chars))
-            traj.extend(self.tokenizer(text, add_special_tokens=False)["input_ids"], text, trainable=False)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            traj.extend(ids, text, trainable=False)
+            traj.turn_traces[-1].tool_latency_s, traj.turn_traces[-1].tool_response_tokens = record.latency_s, len(ids)
             if index in self.engine_of:  # else its engine died: it goes on once admitted elsewhere
                 self.submit_turn(index)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow as pa
@@ -60,6 +61,25 @@ ROLLOUTS = pa.schema(
         # an RL step trained on it (null outside RL steps); rl.async makes them differ.
         ("generated_version", pa.int32()),
         ("trained_version", pa.int32()),
+        # Each assistant turn as the engines served it (tasks/records TurnTrace): the view `turns`
+        # unnests them, one row per turn.
+        (
+            "turn_trace",
+            pa.list_(
+                pa.struct(
+                    [
+                        ("engine", pa.int32()),
+                        ("context_tokens", pa.int32()),
+                        ("added_tokens", pa.int32()),
+                        ("generated_tokens", pa.int32()),
+                        ("started_at", pa.float64()),
+                        ("ended_at", pa.float64()),
+                        ("tool_latency_s", pa.float64()),
+                        ("tool_response_tokens", pa.int32()),
+                    ]
+                )
+            ),
+        ),
     ]
 )
 
@@ -214,6 +234,7 @@ def rollout_rows(
                 "stop_reason": traj.stop_reason,
                 "generated_version": None if trained_version is None else traj.policy_version,
                 "trained_version": trained_version,
+                "turn_trace": [asdict(t) for t in traj.turn_traces],
             }
         )
     return rows
