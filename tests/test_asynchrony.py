@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from tasks.config import AsyncConfig, ConfigError, default_config_path, load_config
-from tasks.records import RolloutSpec, ToolCallRecord, ToolStatus, Trajectory
+from tasks.records import RolloutSpec, ToolCallRecord, ToolStatus, Trajectory, TurnTrace
 from tasks.rl.asynchrony import fresh, idle_fraction, staleness, steps_ahead
 from tasks.store import inflight
 
@@ -46,10 +46,30 @@ def trajectory(problem: str, sample: int, version: int) -> Trajectory:
 
 def test_rollouts_older_than_the_limit_or_newer_than_the_update_are_dropped() -> None:
     finished = {i: trajectory("p", i, v) for i, v in enumerate([5, 4, 3, 2, 6])}
-    kept, dropped = fresh(finished, trained_version=5, limit=2)
+    kept, dropped = fresh(finished, trained_version=5, limit=2, group_size=1, drawing_version=5)
     assert sorted(kept) == [0, 1, 2] and dropped == [3, 4]
-    kept, dropped = fresh(finished, trained_version=5, limit=0)  # rl.async off: only its own version
+    # rl.async off: only its own version
+    kept, dropped = fresh(finished, trained_version=5, limit=0, group_size=1, drawing_version=5)
     assert sorted(kept) == [0] and dropped == [1, 2, 3, 4]
+
+
+def test_groups_are_kept_and_dropped_whole_never_mixing_versions() -> None:
+    """Groups of 3 (batch indices 0-2, 3-5, ...), step 5 trained with max_staleness 2, its rest
+    drawn now by version 4 (as bounded draws ahead)."""
+    versions = {
+        0: 4, 1: 4, 2: 4,  # whole, one version, fresh: kept
+        3: 4, 4: 3,  # mixed versions (a step stopped part-way, then drawn on): dropped whole
+        6: 2, 7: 3, 8: 3,  # one member too stale: the group goes, not just that rollout
+        9: 3, 10: 3,  # partial, by version 3 while the rest is drawn by 4: dropped
+        12: 4,  # partial, by the version that draws its rest: kept
+        15: 3, 16: 3, 17: 3,  # whole by version 3: kept (2 behind, within the limit)
+    }  # fmt: skip
+    finished = {i: trajectory(f"p{i // 3}", i % 3, v) for i, v in versions.items()}
+    kept, dropped = fresh(finished, trained_version=5, limit=2, group_size=3, drawing_version=4)
+    assert sorted(kept) == [0, 1, 2, 12, 15, 16, 17]
+    assert dropped == [3, 4, 6, 7, 8, 9, 10]
+    for group in {i // 3 for i in kept}:
+        assert len({kept[i].policy_version for i in kept if i // 3 == group}) == 1
 
 
 def test_staleness_is_the_mean_and_most_versions_behind() -> None:
@@ -89,13 +109,14 @@ def test_a_finished_rollout_comes_back_as_it_was_kept(tmp_path) -> None:
         "p7", 2, [1, 2], [5, 6, 7], [1, 0, 1], "text", 2, [ToolCallRecord(1, ToolStatus.TIMEOUT, 0.5, "x")]
     )
     done.stop_reason, done.behaviour_logprobs, done.policy_version = "answer", [-0.5, 0.0, -1.25], 2
+    done.turn_traces = [TurnTrace(1, 2, 2, 1, 100.0, 100.5, 0.5, 1), TurnTrace(0, 4, 1, 1, 101.0, 101.2)]
     inflight.keep_finished(folder, 11, done)
     (folder / ".000012.json.abc.tmp").write_text("{")  # a write the kill interrupted: never renamed
     assert inflight.finished(folder) == {11: done}
     assert inflight.finished(inflight.step_folder(tmp_path / "run", "stage1", 4)) == {}  # a step not begun
     # Too stale to train on: deleted once dropped, so the next draw neither reuses nor counts it.
     inflight.keep_finished(folder, 12, trajectory("p", 12, 0))
-    _, dropped = fresh(inflight.finished(folder), trained_version=3, limit=1)
+    _, dropped = fresh(inflight.finished(folder), trained_version=3, limit=1, group_size=1, drawing_version=3)
     inflight.discard(folder, dropped)
     assert dropped == [12] and inflight.finished(folder) == {11: done}
 

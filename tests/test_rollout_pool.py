@@ -183,8 +183,8 @@ def test_evaluation_samples_differ_at_temperature_0_6(model_dir, runtime) -> Non
 @pytest.mark.slow
 def test_a_batch_keeps_what_finished_before_and_ends_with_the_rollouts_in_flight(model_dir, runtime) -> None:
     """What rl.async and a resume ask of the loop: rollouts finished before are not drawn again,
-    each new one is handed over once as it ends, a stopped batch starts no rollout more, and an
-    abandoned one nothing at all."""
+    each new one is handed over once as it ends, a stopped batch starts no group more and ends the
+    ones started whole, and an abandoned one starts nothing at all."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     problems = [(p.problem_id, p.question) for p in generate_problems(3, [1], seed=7)]
     first, _ = run_rollouts(runtime.engines, runtime.tools, tokenizer, problems, 4, SPEC, version=3)
@@ -207,8 +207,10 @@ def test_a_batch_keeps_what_finished_before_and_ends_with_the_rollouts_in_flight
     assert [t.policy_version for i, t in enumerate(again) if i not in before] == [4] * 10
 
     stopped = draw(stop=lambda: bool(handed))
-    # The KV cache holds fewer than 12 rollouts (see the test above): the rest never start.
+    # The KV cache holds fewer than 12 rollouts (see the test above): the groups not started when
+    # the first rollout ends never start, and the started ones end whole (a problem's 4 rollouts).
     assert 0 < len(stopped) < 12 and len(handed) == len(stopped)
+    assert all(sum(s.problem_id == t.problem_id for s in stopped) == 4 for t in stopped)
     assert all(t.stop_reason for t in stopped)
 
     # Abandoned (its step failed) once a rollout ends: the rollouts in flight end there too, and

@@ -28,11 +28,26 @@ def steps_ahead(overlap: AsyncConfig, step: int, steps: int) -> tuple[list[int],
     return [step + 1], list(range(step + 2, min(last, step + overlap.staleness_limit) + 1))
 
 
-def fresh(finished: dict[int, Trajectory], trained_version: int, limit: int) -> tuple[dict[int, Trajectory], list[int]]:
-    """The finished rollouts a step trained at `trained_version` may use (drawn at most `limit`
-    versions earlier, and not by a later one, which a resume from an older checkpoint leaves),
-    and the indices of those it drops (which no later draw can use either)."""
-    kept = {i: t for i, t in finished.items() if 0 <= trained_version - t.policy_version <= limit}
+def fresh(
+    finished: dict[int, Trajectory], trained_version: int, limit: int, group_size: int, drawing_version: int
+) -> tuple[dict[int, Trajectory], list[int]]:
+    """The finished rollouts a step trained at `trained_version` may use, kept or dropped by whole
+    groups (a problem's rollouts, batch indices `i // group_size`), and the indices dropped (which
+    no later draw can use either). A group is kept when all its finished rollouts were drawn by
+    one version, at most `limit` versions earlier (and not later, which a resume from an older
+    checkpoint leaves), and the group is whole or its rest is drawn now by that same version
+    (`drawing_version`): its baseline and RoC's choice are then taken within one policy."""
+    groups: dict[int, dict[int, Trajectory]] = {}
+    for index, trajectory in finished.items():
+        groups.setdefault(index // group_size, {})[index] = trajectory
+    kept: dict[int, Trajectory] = {}
+    for members in groups.values():
+        versions = {t.policy_version for t in members.values()}
+        (version,) = versions if len(versions) == 1 else (None,)
+        if version is None or not 0 <= trained_version - version <= limit:
+            continue
+        if len(members) == group_size or version == drawing_version:
+            kept |= members
     return kept, sorted(set(finished) - set(kept))
 
 

@@ -171,6 +171,7 @@ class _Batch:
                 Trajectory(problem_id, s, prompt_ids, policy_version=version) for s in range(samples_per_problem)
             ]
         self.ended: set[int] = set()
+        self.group_size = samples_per_problem
         for index, done in (finished or {}).items():
             fresh = self.trajectories[index] if index < len(self.trajectories) else None
             # The same prompt too: a changed template, tool list or tokenizer draws it again.
@@ -197,7 +198,10 @@ class _Batch:
         self.pending_tools: dict[int, tuple[Future, float]] = {}
         self.sent_at: dict[int, float] = {}  # when each generating rollout's turn went to its engine
         self.active: set[int] = set()  # admitted, not ended
-        self.closed = False  # no more admissions: the batch ends with the rollouts in flight
+        # Groups (a problem's rollouts) admitted or finished before: once the batch is closed only
+        # these go on, so that it ends with whole groups, each drawn by one policy.
+        self.started_groups = {index // self.group_size for index in self.ended}
+        self.closed = False  # no more groups start: the batch ends once the started ones are done
         self.abandoned = False  # no more turns or tool calls either: it ends once the engines are idle
 
     @property
@@ -208,7 +212,10 @@ class _Batch:
     def done(self) -> bool:
         if self.abandoned:
             return not self.generating
-        return self.finished == len(self.trajectories) or (self.closed and not self.active)
+        if self.closed:  # once every started group has ended, whole
+            started = (i for i in range(len(self.trajectories)) if i // self.group_size in self.started_groups)
+            return not self.active and all(i in self.ended for i in started)
+        return self.finished == len(self.trajectories)
 
     def abandon(self) -> None:
         """The caller failed: start nothing more (no rollout, turn or tool call); the turns the
@@ -219,10 +226,13 @@ class _Batch:
     # -- admission -----------------------------------------------------------------------------
 
     def admit(self) -> None:
-        """Start what the scheduler allows now: at the start, and as soon as rollouts end."""
-        if self.closed:
+        """Start what the scheduler allows now: at the start, and as soon as rollouts end; once
+        the batch is closed, only the rest of the groups already started."""
+        if self.abandoned:
             return
-        for index, engine in self.scheduler.admit():
+        started = (lambda index: index // self.group_size in self.started_groups) if self.closed else None
+        for index, engine in self.scheduler.admit(started):
+            self.started_groups.add(index // self.group_size)
             self.engine_of[index] = engine
             self.active.add(index)
             if index not in self.pending_tools:  # a moved rollout waiting on a tool goes on when it answers
@@ -357,9 +367,9 @@ def run_rollouts(
 
     `finished` (batch index -> trajectory) are rollouts of the batch drawn before: they are not
     drawn again. Each rollout that ends goes to `on_finish(index, trajectory)` at once. Once
-    `stop()` is true no rollout starts; the ones in flight finish, and only the finished ones
-    (in batch order) are returned. Once `abandon()` is true nothing more starts, not even the
-    next turn of a rollout in flight: the batch returns what ended before, as soon as the engines
+    `stop()` is true no group (a problem's rollouts) starts, the started ones finish whole, and
+    the finished rollouts (in batch order) are returned. Once `abandon()` is true nothing more
+    starts, not even a rollout's next turn: the batch returns what ended before, once the engines
     hand back the turns they were generating. New trajectories carry policy `version`."""
     started = time.perf_counter()
     busy_before = engines.stats()

@@ -2,7 +2,8 @@
 
 Pure policy over plain numbers (no vLLM, no I/O), so the same code drives the rollout loop over
 real engines and bench/scheduler_sim.py's paper-scale simulation. Both policies share one
-interface: `admit()` returns the (rollout, engine) pairs to start now, `finish(rollout)` says a
+interface: `admit()` returns the (rollout, engine) pairs to start now (`admit(only)`: of the
+rollouts `only` accepts, the others waiting on), `finish(rollout)` says a
 rollout has ended (all its turns), which may free room for others, and `drop_engine(engine)` takes
 an engine that died out of the pool and hands back the rollouts it held, to be admitted again on
 the others. A rollout stays on one engine for all its turns, so each turn finds the previous
@@ -23,7 +24,7 @@ turns in that engine's prefix cache.
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 def reserve_tokens(mode: str, max_rollout_tokens: int, previous: Sequence[int] = (), headroom: float = 1.3) -> int:
@@ -63,13 +64,16 @@ class KVAwareScheduler:
         self.running = [0] * len(self.slots)
         self.engine_of: dict[int, int] = {}
 
-    def admit(self) -> list[tuple[int, int]]:
+    def admit(self, only: Callable[[int], bool] | None = None) -> list[tuple[int, int]]:
         started = []
-        while self.waiting:
+        for rollout in [r for r in self.waiting if only is None or only(r)]:
             engine = max(range(len(self.slots)), key=lambda e: (self.slots[e] - self.running[e], -e))
             if self.running[engine] >= self.slots[engine]:
                 break
-            rollout = self.waiting.popleft()
+            if only is None:
+                self.waiting.popleft()  # the queue's head: no search through a long queue
+            else:
+                self.waiting.remove(rollout)
             self.running[engine] += 1
             self.engine_of[rollout] = engine
             started.append((rollout, engine))
@@ -96,8 +100,9 @@ class StaticScheduler:
         self.pending = [(rollout, i % n_engines) for i, rollout in enumerate(rollouts)]
         self.engine_of: dict[int, int] = {}
 
-    def admit(self) -> list[tuple[int, int]]:
-        started, self.pending = self.pending, []
+    def admit(self, only: Callable[[int], bool] | None = None) -> list[tuple[int, int]]:
+        started = [(r, e) for r, e in self.pending if only is None or only(r)]
+        self.pending = [(r, e) for r, e in self.pending if not (only is None or only(r))]
         self.engine_of.update(started)
         return started
 

@@ -66,7 +66,9 @@ def draw_step(
     spec = cfg.rollout.spec(stage)
     if redrawn := inflight.settle(folder, inflight.settings_key(spec, cfg.rl.rollouts_per_problem)):
         print(f"{stage.name} step {step}: {redrawn} rollouts kept under other settings are drawn again")
-    finished, dropped = asynchrony.fresh(inflight.finished(folder), step, cfg.rl.overlap.staleness_limit)
+    finished, dropped = asynchrony.fresh(
+        inflight.finished(folder), step, cfg.rl.overlap.staleness_limit, cfg.rl.rollouts_per_problem, version
+    )
     inflight.discard(folder, dropped)
     trajectories, times = run_rollouts(
         runtime.engines,
