@@ -43,8 +43,8 @@ def fresh(
     kept: dict[int, Trajectory] = {}
     for members in groups.values():
         versions = {t.policy_version for t in members.values()}
-        (version,) = versions if len(versions) == 1 else (None,)
-        if version is None or not 0 <= trained_version - version <= limit:
+        version = min(versions)
+        if len(versions) > 1 or not 0 <= trained_version - version <= limit:
             continue
         if len(members) == group_size or version == drawing_version:
             kept |= members

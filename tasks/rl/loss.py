@@ -33,9 +33,12 @@ def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     ratios close to 1). Negative targets (an ignore index) are read as token 0: the value there
     is meaningless and the caller's mask must remove it.
     """
-    logp_all = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
-    index = targets.clamp(min=0).long().unsqueeze(-1)  # (B, T, 1)
-    return logp_all.gather(-1, index).squeeze(-1)  # (B, T)
+    return _gather(torch.log_softmax(logits.float(), dim=-1), targets)
+
+
+def _gather(logp_all: Tensor, targets: Tensor) -> Tensor:
+    """logp_all (..., V) at each target (...): an ignore index (negative) reads token 0."""
+    return logp_all.gather(-1, targets.clamp(min=0).long().unsqueeze(-1)).squeeze(-1)
 
 
 def _head_chunk(head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor, temperature: float):
@@ -45,7 +48,7 @@ def _head_chunk(head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tenso
     logp_all = torch.log_softmax(logits / temperature, dim=-1)
     with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp_all.gather(-1, targets.clamp(min=0).long().unsqueeze(-1)).squeeze(-1), entropy
+    return _gather(logp_all, targets), entropy
 
 
 def head_logprobs(

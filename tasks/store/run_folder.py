@@ -30,7 +30,8 @@ from tasks.records import RunContext
 from tasks.store.tables import step_part, write_json, write_text
 
 # Where a run's actors go, how long it waits on them and how a step holds its memory, not what the
-# run computes: the fields a resumed run may change (another cluster, fewer nodes after a loss, more ranks or engines).
+# run computes: the fields a resumed run may change (another cluster, fewer nodes after a loss,
+# more ranks or engines).
 PLACEMENT = (
     "cluster",
     *(
