@@ -17,6 +17,20 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
+def prefect_api() -> str:
+    """One Prefect test server for the session, on 127.0.0.1, stopped (by its own process) at the
+    end: every test that runs a flow, in this process or in a `rstar2 run` it starts (pass
+    `PREFECT_API_URL` on), reports to it. A flow run without a server starts one of its own, which
+    costs ~18 s on two cores; the suite's runs would pay that a dozen times. A test that reads
+    what the server holds selects its own runs (by id, or those made since it began)."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     """An untrained tiny model (tokenizer fitted on generated problems), shared by the engine tests."""
     from tasks.config import TinyModelConfig
@@ -30,7 +44,7 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def default_run(tmp_path_factory):
+def default_run(tmp_path_factory, request):
     """The default config's whole run at a fixed seed (tests/default_run.py), shared by the tests
     that only read its outputs."""
     from pathlib import Path
@@ -39,4 +53,4 @@ def default_run(tmp_path_factory):
 
     if finished := os.environ.get("RSTAR2_DEFAULT_RUN"):
         return finished_default(Path(finished))
-    return run_default(tmp_path_factory.mktemp("default-run"))
+    return run_default(tmp_path_factory.mktemp("default-run"), request.getfixturevalue("prefect_api"))

@@ -1,18 +1,18 @@
 """The default run, once per session: `rstar2 run` of configs/tiny.yaml at a fixed seed, as `make
-run` runs it, reporting to a Prefect test server so that its artifacts can be read back. The tests
-that only read a run's outputs share it: the learning test, the pipeline's tables, MLflow and
-Prefect artifacts, the README's queries and the dashboard. About 22 minutes on two cores.
+run` runs it, reporting to the session's Prefect test server so that its artifacts can be read
+back. The tests that only read a run's outputs share it: the learning test, the pipeline's
+tables, MLflow and Prefect artifacts, the README's queries and the dashboard. About 22 minutes on two cores.
 `RSTAR2_DEFAULT_RUN=<its output_dir>` reads a finished one instead, for work on those tests."""
 
 import json
 import os
 import subprocess
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 from prefect import get_client
-from prefect.settings import PREFECT_API_URL
-from prefect.testing.utilities import prefect_test_harness
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterStartTime
 
 from tasks.config import RunConfig, load_config
 from tasks.sandbox.app import TOKEN_ENV
@@ -36,10 +36,13 @@ class DefaultRun:
     leftover_pids: list[int]  # the run's actors and sandbox servers still alive after it ended
 
 
-def run_default(output_dir: Path) -> DefaultRun:
+def run_default(output_dir: Path, prefect_api: str) -> DefaultRun:
+    """The run, reporting to the Prefect server at `prefect_api`; its artifacts are those of the
+    flow runs the server started meanwhile (tests run one at a time)."""
     log = output_dir / "run.log"
-    with prefect_test_harness(server_startup_timeout=180), log.open("wb") as out:
-        env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), TOKEN_ENV: CREDENTIAL}
+    began = datetime.now(UTC)
+    with log.open("wb") as out:
+        env = {**os.environ, "PREFECT_API_URL": prefect_api, TOKEN_ENV: CREDENTIAL}
         done = subprocess.run(
             run_command(RUN_ID, {"output_dir": str(output_dir), "seed": SEED}),
             cwd=TINY.parents[1],
@@ -49,8 +52,9 @@ def run_default(output_dir: Path) -> DefaultRun:
             timeout=2700,  # ~22 minutes alone on two cores; far more on a shared machine
         )
         assert done.returncode == 0, log.read_text()[-4000:]
-        with get_client(sync_client=True) as client:
-            artifacts = {a.key: a.data for a in client.read_artifacts() if a.key}
+    since = FlowRunFilter(start_time=FlowRunFilterStartTime(after_=began))
+    with get_client(sync_client=True) as client:
+        artifacts = {a.key: a.data for a in client.read_artifacts(flow_run_filter=since) if a.key}
     (output_dir / "artifacts.json").write_text(json.dumps(artifacts))
     return finished_default(output_dir)
 

@@ -85,12 +85,10 @@ def test_report_has_a_row_per_mode_the_command_and_a_png(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_ablate_flow_runs_each_mode_from_one_sft_policy_and_reports(tmp_path) -> None:
+def test_ablate_flow_runs_each_mode_from_one_sft_policy_and_reports(tmp_path, prefect_api) -> None:
     """Two modes, one seed, at a small size: the second mode's run starts from the first one's SFT
     policy (not trained again) and the report compares both; a second ablation with another RL
     setting starts from the same SFT policy."""
-    from prefect.testing.utilities import prefect_test_harness
-
     from flows.ablate import ablate
     from tasks.config import default_config_path
     from tests.small_run import small_run, stage
@@ -101,19 +99,16 @@ def test_ablate_flow_runs_each_mode_from_one_sft_policy_and_reports(tmp_path) ->
         "data.n_train": 24,
         "rl.group_size": 2,
     }
-    with prefect_test_harness(server_startup_timeout=180):
-        report = ablate(
-            config=str(default_config_path()), seeds=1, modes=["paper", "off"], overrides=overrides, name="t"
-        )
-        # another RL setting from the same SFT policy
-        paired = ablate(
-            config=str(default_config_path()),
-            seeds=1,
-            modes=["paper"],
-            name="u",
-            sft_from="t",
-            overrides={**overrides, "rl.optim.lr": 1e-5},
-        )
+    report = ablate(config=str(default_config_path()), seeds=1, modes=["paper", "off"], overrides=overrides, name="t")
+    # another RL setting from the same SFT policy
+    paired = ablate(
+        config=str(default_config_path()),
+        seeds=1,
+        modes=["paper"],
+        name="u",
+        sft_from="t",
+        overrides={**overrides, "rl.optim.lr": 1e-5},
+    )
     paper, off = tmp_path / "runs" / "t-s0-paper", tmp_path / "runs" / "t-s0-off"
     sft = (paper / "models" / "sft" / "model.safetensors").read_bytes()
     assert (off / "models" / "sft" / "model.safetensors").read_bytes() == sft

@@ -120,13 +120,11 @@ def test_a_model_directory_with_sharded_weights_passes(tmp_path):
     check_model(load_config(TINY).model.path)  # None: the tiny model, built by the run
 
 
-def test_the_pipeline_flow_checks_before_it_writes(tmp_path):
+def test_the_pipeline_flow_checks_before_it_writes(tmp_path, prefect_api):
     """A run triggered from the UI, not the CLI, fails the same way before its first write."""
-    from prefect.testing.utilities import prefect_test_harness
-
     from flows.pipeline import pipeline
 
     out = tmp_path / "out"
-    with prefect_test_harness(server_startup_timeout=180), pytest.raises(InputError, match="^model.path: "):
+    with pytest.raises(InputError, match="^model.path: "):
         pipeline(config=str(TINY), run_id="bad", overrides={"output_dir": str(out), "model.path": str(tmp_path)})
     assert not out.exists()

@@ -8,7 +8,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 
 from tasks.config import DataConfig, SourceConfig
 from tasks.data.filters import decontaminate, exact_duplicates, near_duplicates, parse_integer
@@ -179,12 +178,6 @@ def data_config(files: dict[str, Path]) -> DataConfig:
             )
         ],
     )
-
-
-@pytest.fixture(scope="module")
-def prefect_api():
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
 
 
 def run_context(tmp_path: Path):

@@ -117,8 +117,8 @@ def mlflow_histories(output_dir: Path, run_id: str) -> dict[tuple[str, str], lis
     return histories
 
 
-def test_a_run_killed_at_ten_points_resumes_to_the_uninterrupted_tables(tmp_path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def test_a_run_killed_at_ten_points_resumes_to_the_uninterrupted_tables(tmp_path, prefect_api) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PREFECT_API_URL": prefect_api}
     reference, output = tmp_path / "reference", tmp_path / "killed"
     with (tmp_path / "reference.log").open("wb") as log:
         done = subprocess.run(command(reference, "run"), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

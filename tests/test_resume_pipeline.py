@@ -120,12 +120,12 @@ def kept_since(run_dir: Path, since: float) -> int:
 @pytest.mark.parametrize(
     "points", [pytest.param(3, marks=pytest.mark.slow), pytest.param(10, marks=[pytest.mark.slow, pytest.mark.soak])]
 )
-def test_a_run_killed_anywhere_resumes_to_what_its_config_implies(tmp_path, points) -> None:
+def test_a_run_killed_anywhere_resumes_to_what_its_config_implies(tmp_path, points, prefect_api) -> None:
     rng, steps = random.Random(points), STEPS[points]
     output, log_path = tmp_path, tmp_path / "run.log"
     run_dir = output / "runs" / "resume"
     first_checkpoint = run_dir / "steps" / "stage=stage1" / "step=0" / "part-0.parquet"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PREFECT_API_URL": prefect_api}
     started, snapshots, kills, victim, killed_walls = [], {}, [], None, None
     began = time.monotonic()
     try:

@@ -30,7 +30,6 @@ import ray
 from mlflow.tracking import MlflowClient
 from prefect import get_client
 from prefect.client.schemas.filters import FlowFilter, FlowFilterName
-from prefect.testing.utilities import prefect_test_harness
 from ray.cluster_utils import Cluster
 
 from flows.pipeline import pipeline
@@ -158,7 +157,7 @@ def attempts_since(before: dict) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, prefect_api):
     root = tmp_path_factory.mktemp("two-nodes")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"gpu_node": 4}})
     cpu_node = cluster.add_node(num_cpus=2, resources={"cpu_node": 2})
@@ -176,14 +175,13 @@ def runs(tmp_path_factory):
             for info in processes
         ]
         on_cluster = {**overrides(root), **ON_NODES, "cluster.address": cluster.address}
-        with prefect_test_harness(server_startup_timeout=180):
-            faults["rank"] = run_with(kill_rank, "two-nodes", on_cluster, root)
-            assert not ray.is_initialized()  # the run disconnected; the cluster is still up
-            assert all(alive(pid) for pid in ray_pids)
-            # Sandboxes that may live on any node: the ones on the CPU node can move when it goes.
-            movable = {**on_cluster, "sandbox.resources": {}}
-            faults["node"] = run_with(remove_node, "node-lost", movable, root, cluster, cpu_node)
-            faults["gone"] = stopped_until_the_node_is_back(cluster, movable, root)  # (the CPU node is gone)
+        faults["rank"] = run_with(kill_rank, "two-nodes", on_cluster, root)
+        assert not ray.is_initialized()  # the run disconnected; the cluster is still up
+        assert all(alive(pid) for pid in ray_pids)
+        # Sandboxes that may live on any node: the ones on the CPU node can move when it goes.
+        movable = {**on_cluster, "sandbox.resources": {}}
+        faults["node"] = run_with(remove_node, "node-lost", movable, root, cluster, cpu_node)
+        faults["gone"] = stopped_until_the_node_is_back(cluster, movable, root)  # (the CPU node is gone)
     finally:
         cluster.shutdown()
     return {
