@@ -23,9 +23,10 @@ from tasks.config import EnginesConfig, RocConfig
 from tasks.records import Problem, Rollouts, RolloutSpec, RolloutTimes, ToolStatus, Trajectory
 from tasks.reward.verify import count_answer_blocks
 from tasks.rl.batch import training_batch, trajectory_score
-from tasks.rollout.agent import ToolRunner, run_rollouts
+from tasks.rollout.agent import run_rollouts
 from tasks.rollout.engine import FinishedTurn
 from tasks.rollout.format import TOOL_CALL_CLOSE, answer_text, tool_call_text
+from tasks.sandbox.client import ToolRunner
 from tasks.sandbox.executor import Limits
 from tasks.sandbox.server import SandboxService
 from tasks.store.tables import ROLLOUTS, rollout_rows, step_part, write_table
@@ -98,13 +99,16 @@ class ScriptedEngines:
     def __init__(self, tokenizer: CharTokenizer, turns: list[list[str]]) -> None:
         self.cfg = EnginesConfig(max_model_len=32768)
         self.count, self.kv_tokens, self.serving, self.last_rollout_sizes = 1, [10**7], [True], []
+        self.weights_version = self.open_batches = 0
+        self.versions: dict[str, int] = {}  # request id -> the version its turn comes back with
         self.tokenizer, self.turns = tokenizer, turns
         self.finished: list[tuple[int, FinishedTurn]] = []
 
     def add_request(self, engine: int, request_id: str, *_request) -> None:
         rollout, turn = map(int, request_id.split(":"))
         ids = self.tokenizer(self.turns[rollout][turn])["input_ids"]
-        self.finished.append((engine, FinishedTurn(request_id, ids, "stop", [-1.0] * len(ids))))
+        version = self.versions.get(request_id, self.weights_version)
+        self.finished.append((engine, FinishedTurn(request_id, ids, "stop", [-1.0] * len(ids), version)))
 
     def poll(self, timeout: float | None) -> list[tuple[int, FinishedTurn]]:
         finished, self.finished = self.finished, []
@@ -178,6 +182,18 @@ def test_the_scripted_rollouts_run_as_written(selected, tmp_path) -> None:
     assert rows == [
         (i, 0, trace.added_tokens, trace.generated_tokens, i == 1, True) for i, trace in enumerate(traj.turn_traces, 1)
     ]
+
+
+def test_a_turn_drawn_by_other_weights_than_its_batch_began_with_stops_the_batch(sandbox) -> None:
+    """A rollout's second turn comes back stamped with the next weights version, as if new
+    weights had been loaded while its tool call ran: the batch refuses to go on, naming it."""
+    tokenizer = CharTokenizer()
+    engines = ScriptedEngines(tokenizer, [script(CALL_TURNS["final_bare_expression"], 0)])
+    engines.versions["0:1"] = 1
+    with ToolRunner([sandbox.url]) as tools, pytest.raises(RuntimeError) as raised:
+        run_rollouts(engines, tools, tokenizer, [("p", "What is 6 * 7?")], 1, SPEC)
+    assert str(raised.value) == "rollout p:0 turn 2: engine 0 drew it with weights version 1, its batch began with 0"
+    assert engines.open_batches == 0
 
 
 @pytest.mark.parametrize("name", LOOKS_WRONG)

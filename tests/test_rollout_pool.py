@@ -246,8 +246,10 @@ def test_a_step_that_fails_stops_its_drawing_ahead(model_dir, runtime, tmp_path)
 
 @pytest.mark.slow
 def test_weights_are_refused_while_an_engine_generates(model_dir, runtime) -> None:
-    """No rollout is drawn by two policy versions: a push comes between rollouts only."""
+    """No rollout is drawn by two policy versions: a push comes between rollouts only, and the
+    engines stamp every turn with the version of the weights they hold."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    version = runtime.engines.weights_version
     for k in range(4):
         runtime.engines.add_request(0, f"busy-{k}", tokenizer("1 + 1")["input_ids"], 480, 1.0, 1.0, [])
     runtime.engines.poll(timeout=0)  # sends them
@@ -258,7 +260,20 @@ def test_weights_are_refused_while_an_engine_generates(model_dir, runtime) -> No
     while len(finished) < 4 and time.monotonic() < deadline:
         finished += runtime.engines.poll(timeout=1.0)
     assert sorted(turn.request_id for _, turn in finished) == [f"busy-{k}" for k in range(4)]
+    assert runtime.engines.weights_version == version  # (the idle engine took the refused load)
+    assert {turn.weights_version for _, turn in finished} == {version}
     runtime.engines.load_from_dir(model_dir, 60)  # idle again: taken
+    assert runtime.engines.weights_version == version + 1
+
+    # A rollout waiting on a tool call holds no request in any engine: the group refuses a load
+    # while any batch is under way (here, once its first rollout has ended).
+    def load_meanwhile(index, trajectory) -> None:
+        runtime.engines.load_from_dir(model_dir, 60)
+
+    problems = [(p.problem_id, p.question) for p in generate_problems(2, [1], seed=9)]
+    with pytest.raises(RuntimeError, match=r"while 1 rollout batch\(es\) are under way"):
+        run_rollouts(runtime.engines, runtime.tools, tokenizer, problems, 2, SPEC, on_finish=load_meanwhile)
+    assert runtime.engines.open_batches == 0 and runtime.engines.weights_version == version + 1
 
 
 @pytest.mark.slow

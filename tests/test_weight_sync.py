@@ -39,7 +39,7 @@ def test_engine_log_probs_follow_the_trainer(model_dir, eager):
     stale_gap = max_logprob_gap(engine.prompt_logprobs(sequences), trainer.token_logprobs(samples))
     assert stale_gap > 10 * TOLERANCE  # the update moved the policy: an unsynced engine shows it
 
-    engine.load_weights(trainer.named_weights())
+    engine.load_weights(trainer.named_weights(), version=1)
     assert max_logprob_gap(engine.prompt_logprobs(sequences), trainer.token_logprobs(samples)) < TOLERANCE
     engine.stop()
 
@@ -65,14 +65,16 @@ def test_no_turn_after_a_push_reuses_keys_and_values_of_the_old_weights(model_di
         while engine.has_unfinished():
             turns += engine.step()
         turns.sort(key=lambda turn: int(turn.request_id))
+        assert {turn.weights_version for turn in turns} == {engine.weights_version}  # stamped as loaded
         samples = [Sample(p + t.token_ids, [1] * (len(p) + len(t.token_ids))) for p, t in zip(prompts, turns)]
         views = trainer.token_logprobs(samples)
         return max(abs(a - b) for p, t, v in zip(prompts, turns, views) for a, b in zip(t.logprobs, v[len(p) - 1 :]))
 
     assert turn_gap() < TOLERANCE  # the same weights; the prompts' KV is now cached
     trainer.sft_step([Sample(p, [1] * len(p), advantage=1.0) for p in prompts])
-    engine.load_weights(trainer.named_weights())
+    engine.load_weights(trainer.named_weights(), version=1)
     fenced = turn_gap()
+    assert engine.weights_version == 1
     trainer.sft_step([Sample(p, [1] * len(p), advantage=1.0) for p in prompts])
     worker = engine._core.engine_core.engine_core.model_executor.driver_worker.worker
     worker.reload_weights(weights_iterator=iter(trainer.named_weights()), is_checkpoint_format=True)

@@ -136,10 +136,10 @@ class EngineActor:
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         return self._on_engine(lambda: self.engine.prompt_logprobs(sequences))
 
-    def load_from_dir(self, model_dir: str) -> None:
-        self._on_engine(lambda: self.engine.load_weights(weights_from_dir(Path(model_dir))))
+    def load_from_dir(self, model_dir: str, version: int) -> None:
+        self._on_engine(lambda: self.engine.load_weights(weights_from_dir(Path(model_dir)), version))
 
-    def load_from_store(self, buckets: list[tuple[BucketLayout, ray.ObjectRef]]) -> None:
+    def load_from_store(self, buckets: list[tuple[BucketLayout, ray.ObjectRef]], version: int) -> None:
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             for layout, ref in buckets:
                 with warnings.catch_warnings():  # read-only shared memory: vLLM copies what it loads
@@ -147,12 +147,12 @@ class EngineActor:
                     flat = torch.from_numpy(ray.get(ref))
                 yield from unpack_bucket(flat, layout)
 
-        self._on_engine(lambda: self.engine.load_weights(tensors()))
+        self._on_engine(lambda: self.engine.load_weights(tensors(), version))
 
     def join_sync_group(self, group: SyncGroup, rank: int) -> None:
         self._sync_group = (group, group.join(rank))
 
-    def receive_weights(self, layouts: list[BucketLayout]) -> None:
+    def receive_weights(self, layouts: list[BucketLayout], version: int) -> None:
         group, members = self._sync_group
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
@@ -161,7 +161,7 @@ class EngineActor:
                 broadcast(members, flat)
                 yield from unpack_bucket(flat, layout)
 
-        self._on_engine(lambda: self.engine.load_weights(tensors()))
+        self._on_engine(lambda: self.engine.load_weights(tensors(), version))
 
     def stop(self) -> None:
         if self._thread.is_alive():
@@ -196,6 +196,10 @@ class EngineGroup:
         self._last_stats: list[dict] = [{"busy_s": 0.0, "preemptions": 0} for _ in actors]
         self.calls = 0  # actor calls made while generating (adds and takes): what a batch costs in calls
         self.deaths = self.restarts = 0
+        # The version of the weights the serving engines hold: 0, those they started from; each
+        # load or push makes the next. The engines stamp it on every turn they finish.
+        self.weights_version = 0
+        self.open_batches = 0  # rollout batches under way: no weights may be loaded meanwhile
 
     @property
     def count(self) -> int:
@@ -329,9 +333,22 @@ class EngineGroup:
             self._last_stats[engine] = stats
         return list(self._last_stats)
 
+    def next_weights_version(self) -> int:
+        """The version new weights take, once no batch is under way: a rollout waiting on a tool
+        call holds no request in its engine, so only the group knows that it would go on under
+        other weights than its earlier turns."""
+        if self.open_batches:
+            raise RuntimeError(
+                f"weights loaded while {self.open_batches} rollout batch(es) are under way: their "
+                "rollouts would span two policies; load only between batches"
+            )
+        return self.weights_version + 1
+
     def load_from_dir(self, model_dir: Path, timeout_s: float) -> None:
         """Every engine reads a Hugging Face directory's weights itself (a path all nodes see)."""
-        ray.get([a.load_from_dir.remote(str(model_dir)) for a in self.live], timeout=timeout_s)
+        version = self.next_weights_version()
+        ray.get([a.load_from_dir.remote(str(model_dir), version) for a in self.live], timeout=timeout_s)
+        self.weights_version = version
 
     def stop(self) -> None:
         self._takes = {}

@@ -87,7 +87,7 @@ class WeightSync:
         self._members = None if _failures(outcomes) else engines
         return outcomes
 
-    def _send(self, engines: list[int]) -> tuple[int, list]:
+    def _send(self, engines: list[int], version: int) -> tuple[int, list]:
         """The weights into these engines: bytes sent, and each call's outcome (trainer ranks'
         first, then the engines' in order)."""
         ranks, actors = self.trainer.actors, [self.engines.actors[e] for e in engines]
@@ -97,30 +97,33 @@ class WeightSync:
         if self.backend == "object_store":
             buckets = self._from_ranks([rank.put_weights.remote(self._layouts) for rank in ranks])[0]
             sent = sum(bucket_size(layout) for layout, _ in buckets)
-            return sent, [None] * len(ranks) + self._outcomes([a.load_from_store.remote(buckets) for a in actors])
+            loads = [a.load_from_store.remote(buckets, version) for a in actors]
+            return sent, [None] * len(ranks) + self._outcomes(loads)
         if self._members != engines:
             outcomes = self._join(engines)
             if _failures(outcomes):
                 return 0, outcomes[:1] + [None] * (len(ranks) - 1) + outcomes[1:]
         outcomes = self._outcomes(
             [rank.broadcast_weights.remote(self._layouts) for rank in ranks]
-            + [engine.receive_weights.remote(self._layouts) for engine in actors]
+            + [engine.receive_weights.remote(self._layouts, version) for engine in actors]
         )
         return (0 if _failures(outcomes) else outcomes[0]), outcomes
 
     def push(self) -> dict:
         """The trainer's current weights into every engine that serves, and into those Ray has
-        restarted since the last push (which then serve again); returns bytes sent and seconds.
+        restarted since the last push (which then serve again), as the next weights version
+        (refused while a rollout batch is under way); returns bytes sent and seconds.
 
         An engine found dead during the push is dropped from it, and the push is made again
         without it: a gloo or NCCL group fails for all its members when one dies. Ray restarts
         the engine, and a later push brings it back."""
         started = time.perf_counter()
+        version = self.engines.next_weights_version()
         for _ in range(self.engines.count + 1):  # each try that fails has lost one engine more
             self.engines.check()
             back = self.engines.restarted()
             engines = sorted([e for e, serving in enumerate(self.engines.serving) if serving] + back)
-            sent, outcomes = self._send(engines)
+            sent, outcomes = self._send(engines, version)
             self._raise_for_ranks(outcomes)
             engine_outcomes = outcomes[len(self.trainer.actors) :]
             gone = [(e, o) for e, o in zip(engines, engine_outcomes) if isinstance(o, ACTOR_GONE)]
@@ -128,6 +131,7 @@ class WeightSync:
                 if failures := _failures(outcomes):
                     raise failures[0]
                 self.engines.rejoin(back)
+                self.engines.weights_version = version
                 self.last = {"bytes": sent, "seconds": time.perf_counter() - started}
                 return self.last
             self._members = None

@@ -132,6 +132,11 @@ class Trajectory:
     policy_version: int = 0  # the weights that drew it: the stage's step whose update they start
     turn_traces: list[TurnTrace] = field(default_factory=list)
 
+    @property
+    def tokens(self) -> int:
+        """Prompt and response so far: what the rollout holds in its engine's KV cache."""
+        return len(self.prompt_ids) + len(self.response_ids)
+
     def extend(self, ids: list[int], text: str, trainable: bool, logprobs: list[float] | None = None) -> None:
         """Append a turn: generated tokens (trainable) with the engine's log-prob of each, or tool
         tokens, which have none (0.0 under the loss mask, never read)."""

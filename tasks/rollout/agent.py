@@ -15,8 +15,6 @@ trajectory with a recorded stop reason, and scoring gives it reward 0.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -38,7 +36,7 @@ from tasks.rollout.format import (
     truncate_middle,
 )
 from tasks.rollout.scheduler import make_scheduler, reserve_tokens
-from tasks.sandbox.client import SandboxClient
+from tasks.sandbox.client import ToolRunner
 
 
 def render_tool_result(result: ToolResult, max_chars: int) -> str:
@@ -98,6 +96,8 @@ class EngineGroupLike(Protocol):
     kv_tokens: list[int]
     serving: list[bool]  # False for an engine that died (until it is back, with the weights)
     last_rollout_sizes: list[int]
+    weights_version: int  # what the serving engines hold, and stamp on every turn they finish
+    open_batches: int  # batches under way, during which no weights may be loaded
 
     def add_request(self, engine: int, *request) -> None: ...  # request: as Engine.add_request
 
@@ -106,37 +106,6 @@ class EngineGroupLike(Protocol):
     def failed(self) -> list[int]: ...  # engines found dead since the last call
 
     def stats(self) -> list[dict]: ...
-
-
-class ToolRunner:
-    """Runs the async sandbox client on a loop of its own, so the sync engine loop can poll."""
-
-    def __init__(
-        self,
-        urls: list[str],
-        resolve: Callable[[int], str | None] | None = None,
-        outage_timeout_s: float = 300.0,
-        token: str | None = None,
-    ):
-        """`resolve`, `outage_timeout_s` and `token`: as SandboxClient takes them."""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="tool-runner", daemon=True)
-        self._thread.start()
-        self.client = SandboxClient(urls, resolve=resolve, outage_timeout_s=outage_timeout_s, token=token)
-
-    def submit(self, code: str, stdin: str) -> Future:
-        return asyncio.run_coroutine_threadsafe(self.client.execute(code, stdin), self._loop)
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.client.close(), self._loop).result(timeout=10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-
-    def __enter__(self) -> ToolRunner:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class _Batch:
@@ -159,6 +128,7 @@ class _Batch:
         on_finish: Callable[[int, Trajectory], None] | None = None,
     ):
         self.engines, self.tools, self.tokenizer, self.spec = engines, tools, tokenizer, spec
+        self.weights_version = engines.weights_version  # every turn of the batch is drawn by these
         self.times = RolloutTimes()
         self.tool_call_close = tokenizer.convert_tokens_to_ids(TOOL_CALL_CLOSE)
         self.max_model_len = engines.cfg.max_model_len
@@ -294,6 +264,11 @@ class _Batch:
             if self.abandoned:
                 continue
             traj = self.trajectories[index]
+            if turn.weights_version != self.weights_version:
+                raise RuntimeError(
+                    f"rollout {traj.problem_id}:{traj.sample} turn {traj.turns + 1}: engine {engine} drew it with "
+                    f"weights version {turn.weights_version}, its batch began with {self.weights_version}"
+                )
             self.trace_turn(traj, engine, len(turn.token_ids), self.sent_at.pop(index))
             text = self.tokenizer.decode(turn.token_ids, skip_special_tokens=False)
             action = end_turn(
@@ -310,7 +285,7 @@ class _Batch:
 
     @staticmethod
     def trace_turn(traj: Trajectory, engine: int, generated: int, sent_at: float) -> None:
-        context = len(traj.prompt_ids) + len(traj.response_ids)
+        context = traj.tokens
         last = traj.turn_traces[-1] if traj.turn_traces else None
         added = context - (last.context_tokens + last.generated_tokens) if last else context
         traj.turn_traces.append(TurnTrace(engine, context, added, generated, sent_at, time.time()))
@@ -375,18 +350,22 @@ def run_rollouts(
     busy_before = engines.stats()
     retried_before = tools.client.retried
     batch = _Batch(engines, tools, tokenizer, problems, samples_per_problem, spec, version, finished, on_finish)
-    with tqdm(total=len(batch.trajectories), initial=batch.finished, desc=desc, leave=False, disable=None) as progress:
-        while not batch.done:
-            finished = batch.finished
-            batch.closed = batch.closed or (stop is not None and stop())
-            if abandon is not None and not batch.abandoned and abandon():
-                batch.abandon()
-            batch.admit()
-            batch.end_turns(batch.next_turns())
-            for engine in engines.failed():
-                batch.requeue(engine)
-            batch.answer_tools()
-            progress.update(batch.finished - finished)
+    engines.open_batches += 1
+    try:
+        with tqdm(total=len(batch.trajectories), initial=batch.finished, desc=desc, leave=False, disable=None) as bar:
+            while not batch.done:
+                finished = batch.finished
+                batch.closed = batch.closed or (stop is not None and stop())
+                if abandon is not None and not batch.abandoned and abandon():
+                    batch.abandon()
+                batch.admit()
+                batch.end_turns(batch.next_turns())
+                for engine in engines.failed():
+                    batch.requeue(engine)
+                batch.answer_tools()
+                bar.update(batch.finished - finished)
+    finally:
+        engines.open_batches -= 1
     times = batch.times
     trajectories = [t for i, t in enumerate(batch.trajectories) if i in batch.ended]
     times.total_s = time.perf_counter() - started
@@ -396,5 +375,5 @@ def run_rollouts(
     times.engine_idle_fraction = max(0.0, 1 - busy / (times.total_s * engines.count)) if times.total_s else 0.0
     times.sandbox_retries = tools.client.retried - retried_before
     times.preemptions = sum(max(0, a["preemptions"] - b["preemptions"]) for a, b in zip(busy_after, busy_before))
-    engines.last_rollout_sizes = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
+    engines.last_rollout_sizes = [t.tokens for t in trajectories]
     return trajectories, times

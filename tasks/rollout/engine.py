@@ -67,6 +67,7 @@ class FinishedTurn:
     # log p of each token under the engine's policy as it sampled (temperature applied): the
     # behaviour policy of importance-weighted updates (rl.loss.is_cap); one per token, always
     logprobs: list[float]
+    weights_version: int  # of the weights that drew it, as the engine holds them (load_weights)
 
 
 class Engine:
@@ -75,6 +76,8 @@ class Engine:
         self.llm = None
         self.busy_s = 0.0  # time spent in step(): what is left of the wall time, it sat idle
         self.preemptions = 0  # running requests evicted from the KV cache (to be recomputed)
+        # Which weights it holds: 0, those it started from; then what each load says it loaded.
+        self.weights_version = 0
 
     def start(self) -> Engine:
         configure_cpu_runtime()
@@ -182,7 +185,9 @@ class Engine:
                 completion = output.outputs[0]
                 tokens = list(completion.token_ids)
                 logprobs = [entry[token].logprob for entry, token in zip(completion.logprobs or [], tokens)]
-                finished.append(FinishedTurn(output.request_id, tokens, completion.finish_reason, logprobs))
+                finished.append(
+                    FinishedTurn(output.request_id, tokens, completion.finish_reason, logprobs, self.weights_version)
+                )
         return finished
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
@@ -198,8 +203,9 @@ class Engine:
             for out, seq in zip(outputs, sequences)
         ]
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Push new weights into the running engine, then drop KV computed with the old ones. Only
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Push new weights, `version` of the run's, into the running engine, then drop KV
+        computed with the old ones; every turn it finishes from now on carries `version`. Only
         between rollouts: a turn half drawn by each of two policy versions could be trained on as
         drawn by either."""
         if self.has_unfinished():
@@ -208,6 +214,7 @@ class Engine:
         worker.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
         # Without this, prefix-cache hits would reuse keys/values of the previous policy.
         self.llm.reset_prefix_cache()
+        self.weights_version = version
 
 
 def weights_from_dir(model_dir: Path) -> Iterable[tuple[str, torch.Tensor]]:

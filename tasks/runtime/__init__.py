@@ -26,9 +26,9 @@ from tasks.cluster.trainers import TrainerGroup
 from tasks.config import OptimConfig, RunConfig
 from tasks.records import Sample
 from tasks.reward.verify import Verifier
-from tasks.rollout.agent import ToolRunner
 from tasks.rollout.metrics import max_logprob_gap
 from tasks.sandbox.app import TOKEN_ENV
+from tasks.sandbox.client import ToolRunner
 
 
 class Runtime:

@@ -17,12 +17,17 @@ and nothing else can hold them), and the attempt should stop with that said, not
 that all came back `internal`.
 
 The aiohttp session is bound to the event loop it was created in: use one client per loop.
+`ToolRunner` runs one on a loop of its own, for callers that are not async (the agent loop).
 """
+
+from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import aiohttp
@@ -77,7 +82,7 @@ class SandboxClient:
         self._turn = 0  # rotates ties so that equal replicas share the load
         self._session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> "SandboxClient":
+    async def __aenter__(self) -> SandboxClient:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -210,3 +215,34 @@ class SandboxClient:
 
 def _unavailable(reason: str) -> ToolResult:
     return ToolResult(status=ToolStatus.INTERNAL, stderr=f"sandbox unavailable: {reason}")
+
+
+class ToolRunner:
+    """Runs the async sandbox client on a loop of its own, so the sync engine loop can poll."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        resolve: Callable[[int], str | None] | None = None,
+        outage_timeout_s: float = 300.0,
+        token: str | None = None,
+    ):
+        """`resolve`, `outage_timeout_s` and `token`: as SandboxClient takes them."""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tool-runner", daemon=True)
+        self._thread.start()
+        self.client = SandboxClient(urls, resolve=resolve, outage_timeout_s=outage_timeout_s, token=token)
+
+    def submit(self, code: str, stdin: str) -> Future:
+        return asyncio.run_coroutine_threadsafe(self.client.execute(code, stdin), self._loop)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.client.close(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> ToolRunner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
