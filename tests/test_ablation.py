@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tasks.summary.mode_comparison import compare, write_report
-from tasks.summary.runs import DRAWN_SHARE, RunResult, positive_error_share
+from tasks.summary.runs import DRAWN_SHARE, LUCKY_SHARE, RECOVERED_SHARE, RunResult, positive_shares
 
 NAN = math.nan
 
@@ -23,7 +23,10 @@ def _run(seed: int, mode: str, sft: float, final: float, shares: list[float]) ->
             "reward_mean": [0.1] * len(shares),
             "roc/kept_pos_tool_error_share": shares,
             DRAWN_SHARE: [0.4] * len(shares),
+            RECOVERED_SHARE: [0.3] * len(shares),
+            LUCKY_SHARE: [0.1] * len(shares),
             "response_length_mean": [50.0] * len(shares),
+            "turns_mean": [2.0] * len(shares),
         },
         [len(shares)],
     )
@@ -51,15 +54,34 @@ def test_gain_and_error_share_are_averaged_per_seed_then_over_seeds() -> None:
     assert paper["drawn_error_share"][:2] == pytest.approx((0.4, 0.0))
 
 
-def test_positive_error_share_counts_positives_with_any_failed_call() -> None:
+def test_positive_shares_count_positives_with_any_failed_call_recovered_or_lucky() -> None:
     rows = [
-        {"reward": 1.0, "tool_failures": 0},
-        {"reward": 1.0, "tool_failures": 2},
-        {"reward": 0.0, "tool_failures": 1},
-        {"reward": 1.0, "tool_failures": 0},
+        {"reward": 1.0, "tool_failures": 0, "tool_statuses": ["ok"]},
+        {"reward": 1.0, "tool_failures": 2, "tool_statuses": ["parse_error", "error", "ok"]},  # recovered
+        {"reward": 0.0, "tool_failures": 1, "tool_statuses": ["error"]},
+        {"reward": 1.0, "tool_failures": 1, "tool_statuses": ["ok", "timeout", "internal"]},  # lucky
+        {"reward": 1.0, "tool_failures": 0, "tool_statuses": []},
     ]
-    assert positive_error_share(rows) == pytest.approx(1 / 3)
-    assert math.isnan(positive_error_share(rows[2:3]))
+    shares = positive_shares(rows)
+    assert shares[DRAWN_SHARE] == pytest.approx(2 / 4)
+    assert shares[RECOVERED_SHARE] == pytest.approx(1 / 4) and shares[LUCKY_SHARE] == pytest.approx(1 / 4)
+    assert all(math.isnan(v) for v in positive_shares(rows[2:3]).values())
+
+
+def test_drawn_share_early_and_late_in_stage_1_and_its_reduction() -> None:
+    def run(mode: str, drawn: list[float]) -> RunResult:
+        result = _run(0, mode, 0.2, 0.4, [0.1] * len(drawn))
+        result.steps[DRAWN_SHARE] = drawn
+        result.stage_ends = [6, len(drawn)]  # stage 1 is the first 6 steps
+        return result
+
+    numbers = compare(
+        [run("paper", [0.3, 0.3, 0.3, 0.1, 0.1, NAN, 0.9]), run("off", [0.3, 0.2, 0.4, 0.3, 0.2, 0.2, 0.0])]
+    )
+    paper, off = numbers["modes"]["paper"], numbers["modes"]["off"]
+    assert paper["drawn_first"][0] == pytest.approx(0.3) and off["drawn_first"][0] == pytest.approx(0.3)
+    assert paper["drawn_end"][0] == pytest.approx(0.1) and off["drawn_end"][0] == pytest.approx(0.7 / 3)
+    assert numbers["drawn_end_reduction"] == pytest.approx(1 - 0.1 / (0.7 / 3))
 
 
 def test_a_mode_without_positives_reports_nan_not_zero(tmp_path) -> None:
@@ -69,7 +91,8 @@ def test_a_mode_without_positives_reports_nan_not_zero(tmp_path) -> None:
     report = write_report(
         [_run(0, "paper", 0.0, 0.0, [NAN]), _run(0, "off", 0.0, 0.0, [NAN])], tmp_path, "rstar2 ablate"
     ).read_text()
-    assert "| paper | 0.000 ± 0.000 | 0.000 ± 0.000 | +0.0 ± 0.0 | n/a | 40.0 ± 0.0 |" in report
+    assert "| paper | 0.000 ± 0.000 | 0.000 ± 0.000 | +0.0 ± 0.0 |" in report
+    assert "| paper | n/a | 40.0 ± 0.0 | 40.0 ± 0.0 | 40.0 ± 0.0 | 30.0 ± 0.0 | 10.0 ± 0.0 | 50.0 | 2.00 |" in report
     assert "not measurable" in report
 
 
@@ -77,8 +100,12 @@ def test_report_has_a_row_per_mode_the_command_and_a_png(tmp_path) -> None:
     report = write_report(RESULTS, tmp_path, "rstar2 ablate --seeds 2")
     text = report.read_text()
     assert "`rstar2 ablate --seeds 2`" in text and "![curves](curves.png)" in text
-    assert "| paper | 0.250 ± 0.071 | 0.500 ± 0.000 | +25.0 ± 7.1 | 10.0 ± 0.0 | 40.0 ± 0.0 |" in text
-    assert "| off | 0.250 ± 0.071 | 0.400 ± 0.000 | +15.0 ± 7.1 | 25.0 ± 7.1 | 40.0 ± 0.0 |" in text
+    assert "| paper | 0.250 ± 0.071 | 0.500 ± 0.000 | +25.0 ± 7.1 |" in text
+    assert (
+        "| paper | 10.0 ± 0.0 | 40.0 ± 0.0 | 40.0 ± 0.0 | 40.0 ± 0.0 | 30.0 ± 0.0 | 10.0 ± 0.0 | 50.0 | 2.00 |" in text
+    )
+    assert "| off | 0.250 ± 0.071 | 0.400 ± 0.000 | +15.0 ± 7.1 |" in text
+    assert "| off | 25.0 ± 7.1 | 40.0 ± 0.0 |" in text
     assert "60% lower (relative); per seed 67% / 50%, mean 58.3 ± 11.8%." in text
     assert "| `roc-s1-off` | base 0.000 -> sft 0.300 -> stage1 0.400 | n/a |" in text
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

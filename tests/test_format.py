@@ -149,6 +149,17 @@ def test_problem_statements_are_the_problems_unsolved():
     assert statements == [(p.kind, p.level, p.question, p.solution_code) for p in problems]
 
 
+def test_problems_of_the_kinds_asked_for_and_unknown_kinds_named():
+    import sys
+
+    limit = sys.get_int_max_str_digits()
+    problems = generate_problems(30, [1, 2, 3], seed=5, kinds=["digit_sum", "modular"])
+    assert {p.kind for p in problems} == {"digit_sum", "modular"}
+    assert sys.get_int_max_str_digits() == limit  # a solution lifts it in its own run only
+    with pytest.raises(ValueError, match=r"data.kinds \['modulr'\]: each must be one of \[.*'modular'"):
+        generate_problems(3, [1], seed=0, kinds=["modulr"])
+
+
 def test_sft_examples_train_only_on_assistant_text():
     for example in build_sft_examples(20, [1, 2], seed=0, tool_name=TOOL):
         trainable = [text for text, flag in example if flag]

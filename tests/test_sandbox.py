@@ -144,6 +144,28 @@ def test_a_failed_call_is_how_the_program_ended_not_what_it_printed(
     assert result.status.is_failure == (status is not ToolStatus.OK)
 
 
+def test_the_digit_kinds_first_program_fails_in_the_sandbox_as_the_sft_recovery_shows(service: SandboxService) -> None:
+    """The unguarded program of a digit problem past the limit fails in the sandbox with the very
+    traceback the SFT recovery examples answer it with; the guarded one prints the answer; below
+    the limit (level 1) the unguarded one works too."""
+    import random
+
+    from tasks.data.chat_examples import broken_program
+    from tasks.data.problems import KINDS, solve, unguarded
+
+    for kind in ("digit_sum", "digit_sum_of_product"):
+        big_q, big = KINDS[kind](random.Random(1), 3)
+        small_q, small = KINDS[kind](random.Random(1), 1)
+        failed, guarded, plain_small = execute_batch(
+            [service.url], [(unguarded(big), ""), (big, ""), (unguarded(small), "")]
+        )
+        assert failed.status is ToolStatus.ERROR, failed
+        assert failed.stderr.rstrip().endswith("use sys.set_int_max_str_digits() to increase the limit")
+        assert broken_program(big, random.Random(0)) == (unguarded(big), failed.stderr)
+        assert guarded.status is ToolStatus.OK and guarded.stdout.strip() == solve(kind, big_q, big)
+        assert plain_small.status is ToolStatus.OK and plain_small.stdout.strip() == solve(kind, small_q, small)
+
+
 def test_cpu_loop_and_sleep_time_out(service: SandboxService) -> None:
     started = time.monotonic()
     results = execute_batch([service.url], [("while True:\n    pass", ""), ("import time\ntime.sleep(60)", "")])

@@ -4,6 +4,9 @@ tokenizer keeps the format's tags and the tool's name whole and splits numbers i
 Run: .venv/bin/python -m pytest tests/test_tiny_model.py -q
 """
 
+import json
+import re
+
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -68,22 +71,49 @@ def test_copy_drills_and_their_probe(tmp_path):
         assert text == f"Repeat: {copy}\n{target}" and target == copy + "\n"  # the copy and where it ends
 
 
-@pytest.mark.parametrize("layout", ["plain", "tool_call", "user_turn", "chat"])
+@pytest.mark.parametrize("layout", ["plain", "tool_call", "user_turn", "chat", "fix"])
 def test_pretraining_documents_in_each_layout(layout):
     from tasks.config import PretrainLayouts
     from tasks.data.pretrain import pretraining_documents
+    from tasks.data.problems import DIGIT_LIMIT_OFF
 
-    only = PretrainLayouts(**{name: float(name == layout) for name in ("plain", "tool_call", "user_turn", "chat")})
-    documents = pretraining_documents(30, [1, 2], 5, only, "run_python", "compact")
+    names = ("plain", "tool_call", "user_turn", "chat", "fix")
+    documents = pretraining_documents(
+        30, [1, 2], 5, PretrainLayouts(**{n: float(n == layout) for n in names}), "run_python", "compact"
+    )
     assert len(documents) == 30
     for document in documents:
         assert ("<|im_start|>system" in document) == (layout == "chat")
         assert ("<tool_call>" in document) == (layout != "plain")
+    if layout == "fix":  # the unguarded call, its real error, the guarded call; no output or answer
+        for document in documents:
+            first, fixed = (
+                json.loads(call)["arguments"]["code"] for call in re.findall("<tool_call>(.*?)</tool_call>", document)
+            )
+            assert fixed == DIGIT_LIMIT_OFF + first
+            error = document.split("<tool_response>\n")[1].split("\n</tool_response>")[0]
+            assert error.endswith("use sys.set_int_max_str_digits() to increase the limit")
+            assert document.count("<tool_response>") == 1 and "boxed" not in document
     if layout == "user_turn":  # the rollout's turns without a system prompt, a tool response or an answer
         assert all(d.startswith("<|im_start|>user\n") and d.endswith("</tool_call><|im_end|>\n") for d in documents)
         assert not any("<tool_response>" in d or "boxed" in d for d in documents)
     if layout == "chat":  # tool tasks (never RL kinds: tests/test_sft_data.py), the whole transcript
         assert all(d.count("<tool_response>") == 1 and "The answer is \\boxed{" in d for d in documents)
+
+
+def test_pretraining_shows_the_digit_kinds_programs_unguarded_the_share_asked_for():
+    from tasks.config import PretrainLayouts
+    from tasks.data.pretrain import pretraining_documents
+    from tasks.data.problems import DIGIT_LIMIT_OFF
+
+    def guarded_share(share: float) -> float:
+        documents = pretraining_documents(1200, [1, 2, 3], 5, PretrainLayouts(), "run_python", "compact", share)
+        digit_programs = [d for d in documents if "digits" in d.partition("\n")[0]]
+        assert len(digit_programs) > 200  # 2 of the 8 kinds
+        return sum(DIGIT_LIMIT_OFF in d for d in digit_programs) / len(digit_programs)
+
+    assert guarded_share(0.0) == 1.0
+    assert abs(guarded_share(0.7) - 0.3) < 0.08  # 3 binomial standard deviations of ~290 draws
 
 
 def test_epoch_batches_cover_each_sample_once_per_epoch():

@@ -74,6 +74,7 @@ class DataConfig(_Strict):
     n_train: int = Field(512, ge=1)  # generated problems: train + held-out are generated together
     n_heldout: int = Field(64, ge=1)  # held out of the curated problems, whatever their source
     levels: list[Annotated[int, Field(ge=1, le=9)]] = Field([1, 2, 3], min_length=1)
+    kinds: list[str] | None = None  # generated problems' kinds (tasks/data/problems.py); None: all
     seed: int = Field(0, ge=0)
     sources: list[SourceConfig] = [SourceConfig(name="generated")]
     # Evaluation benchmarks (AIME, MATH-500, ...): decontaminated against, and evaluated on.

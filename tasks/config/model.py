@@ -20,10 +20,13 @@ class PretrainLayouts(_Strict):
     # the question as a user turn, the call as the assistant's (no system prompt, output or answer), RL kinds
     user_turn: float = Field(0.0, ge=0.0)
     chat: float = Field(0.0, ge=0.0)  # whole rollout-format transcripts of tool tasks, never RL kinds
+    # the user turn, a first call of an RL problem's program without the guard its numbers need, the
+    # error, and the guarded call: the code repair a real base model has read (no output or answer)
+    fix: float = Field(0.0, ge=0.0)
 
     @model_validator(mode="after")
     def _some_layout(self) -> PretrainLayouts:
-        if self.plain + self.tool_call + self.user_turn + self.chat <= 0:
+        if self.plain + self.tool_call + self.user_turn + self.chat + self.fix <= 0:
             raise ValueError("at least one layout needs a share above 0")
         return self
 
@@ -49,6 +52,9 @@ class TinyModelConfig(_Strict):
     pretrain_copy_until: float = Field(0.9, gt=0.0, le=1.0)
     pretrain_steps: int = Field(0, ge=0)
     pretrain_layouts: PretrainLayouts = PretrainLayouts()
+    # The share of documents whose program omits the guard its larger inputs need (the digit
+    # limit's lift, tasks/data/problems.py): the first program a real base model often writes.
+    pretrain_unguarded_share: float = Field(0.0, ge=0.0, le=1.0)
     pretrain_batch_size: int = Field(32, ge=1)
     pretrain_seq_len: int = Field(256, ge=2)
     pretrain_lr: float = Field(3e-4, gt=0)

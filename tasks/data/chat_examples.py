@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tasks.config import MalformedRows, RunConfig, SftMode, SftSourceConfig
-from tasks.data.problems import generate_problems
+from tasks.data.problems import DIGIT_LIMIT_OFF, generate_problems, own_digit_limit, unguarded
 from tasks.data.sources import Rejected, SourceError, malformed_row, partition, read_records
 from tasks.data.tool_tasks import CHATS, instruction, tool_tasks
 from tasks.rollout.format import (
@@ -61,25 +61,38 @@ def tool_call_example(question: str, code: str, answer: str, tool_name: str, too
     ]
 
 
-def broken_program(code: str, rng: random.Random) -> tuple[str, str]:
-    """A plausible first attempt at `code` that fails, and the error text the sandbox prints for
-    it (Python's own, produced here the way the sandbox's runner does: generated, trusted code
-    that fails before doing any work)."""
-    kinds = ["typo", "unclosed"] + (["no_import"] if code.startswith("import ") else [])
-    kind = rng.choice(kinds)
-    broken = {
-        "typo": code.replace("print(", "prnt(", 1),
-        "unclosed": code[:-1],
-        "no_import": code.partition("\n")[2],
-    }[kind]
-    linecache.cache["<code>"] = (len(broken), None, broken.splitlines(True), "<code>")  # quoted in tracebacks
+def program_error(source: str) -> str | None:
+    """The error text the sandbox prints for `source`, or None if it runs (Python's own, produced
+    here the way the sandbox's runner does: generated, trusted code that fails before doing any
+    work, or at its first conversion past the digit limit; what it prints is dropped)."""
+    linecache.cache["<code>"] = (len(source), None, source.splitlines(True), "<code>")  # quoted in tracebacks
     try:
-        exec(compile(broken, "<code>", "exec"), {})  # noqa: S102
+        with own_digit_limit(lifted=False):
+            exec(compile(source, "<code>", "exec"), {"print": lambda *_: None})  # noqa: S102
     except SyntaxError as exc:
-        return broken, "".join(traceback.format_exception_only(type(exc), exc))
-    except NameError as exc:  # the runner's own frame is not shown, as in the sandbox
-        return broken, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
-    raise ValueError(f"the {kind} variant of {code!r} did not fail")
+        return "".join(traceback.format_exception_only(type(exc), exc))
+    except (NameError, ValueError) as exc:  # the runner's own frame is not shown, as in the sandbox
+        return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
+    return None
+
+
+def broken_program(code: str, rng: random.Random) -> tuple[str, str]:
+    """A plausible first attempt at `code` that fails, and its error text. A program that lifts
+    the digit limit is first tried without the lift: the failure its first attempt meets where
+    its numbers pass the limit."""
+    slips = ["typo", "unclosed"] + (["no_import"] if code.startswith("import ") else [])
+    kinds = (["digit_limit"] if code.startswith(DIGIT_LIMIT_OFF) else []) + [rng.choice(slips)]
+    for kind in kinds:
+        broken = {
+            "typo": code.replace("print(", "prnt(", 1),
+            "unclosed": code[:-1],
+            "no_import": code.partition("\n")[2],
+            "digit_limit": unguarded(code),
+        }[kind]
+        error = program_error(broken)
+        if error is not None:
+            return broken, error
+    raise ValueError(f"no variant of {code!r} failed ({', '.join(kinds)})")
 
 
 def malformed_call(tool_name: str, code: str, rng: random.Random) -> tuple[str, str]:
@@ -100,11 +113,12 @@ def malformed_call(tool_name: str, code: str, rng: random.Random) -> tuple[str, 
 def recovery_example(
     question: str, code: str, answer: str, tool_name: str, tool_spec: str, rng: random.Random
 ) -> Segments:
-    """A failing tool call (half malformed, half a failing program), its error, the corrected
+    """A failing tool call (half malformed, half a failing program; always the program without the
+    digit limit's lift for one that needs it), its error, the corrected
     call and the answer. The failing call is context, not a target: the model learns to recover
     from an error, not to make one. This is what gives RL positive trajectories that contain
     tool errors, the ones RoC filters out."""
-    if rng.random() < 0.5:
+    if not code.startswith(DIGIT_LIMIT_OFF) and rng.random() < 0.5:
         first_call, error = malformed_call(tool_name, code, rng)
     else:
         broken, error = broken_program(code, rng)
@@ -136,6 +150,7 @@ def build_sft_examples(
     tool_share: float = 0.8,
     recovery_share: float = 0.0,
     mode: SftMode = "non_reasoning",
+    kinds: list[str] | None = None,
 ) -> list[Segments]:
     """n examples, a `tool_share` of them tool calls, a `recovery_share` of those recovering
     from a failed first call; the rest answer-format instructions (and in `non_reasoning` mode a
@@ -145,7 +160,7 @@ def build_sft_examples(
     n_recovery = round(n_tool * recovery_share)
     if mode == "reasoning":
         # Offset the seed so these problems are not the curated train/held-out problems.
-        problems = generate_problems(n_tool, levels, seed=seed + 1_000_003)
+        problems = generate_problems(n_tool, levels, seed=seed + 1_000_003, kinds=kinds)
         tasks = [(p.question, p.solution_code, p.answer) for p in problems]
         n_chat = 0
     else:
@@ -323,6 +338,7 @@ def sft_examples(
                     cfg.rollout.tool_spec,
                     recovery_share=share,
                     mode=mode or cfg.sft.mode,
+                    kinds=cfg.data.kinds,
                 ),
                 [],
             )

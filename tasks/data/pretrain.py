@@ -14,13 +14,14 @@ from the curated splits and carry no answers and no reasoning.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
-from tasks.config import PretrainLayouts, TinyModelConfig
-from tasks.data.chat_examples import tool_call_example
-from tasks.data.problems import problem_statements
+from tasks.config import PretrainLayouts, RunConfig, TinyModelConfig
+from tasks.data.chat_examples import program_error, tool_call_example
+from tasks.data.problems import DIGIT_LIMIT_OFF, problem_statements, unguarded
 from tasks.data.tool_tasks import tool_tasks
 from tasks.records import Sample
-from tasks.rollout.format import IM_END, tool_call_text, user_turn_text
+from tasks.rollout.format import IM_END, tool_call_text, tool_response_text, user_turn_text
 
 
 def copy_documents(n: int, seed: int) -> list[str]:
@@ -35,25 +36,56 @@ def copy_documents(n: int, seed: int) -> list[str]:
     return documents
 
 
+def guard_failures(levels: list[int], seed: int, kinds: list[str] | None) -> Iterator[tuple[str, str, str]]:
+    """(question, program, error) of RL problems whose program fails without its guard, without end."""
+    misses = 0
+    for _, _, question, code in problem_statements(10**9, levels, seed, kinds):
+        error = program_error(unguarded(code)) if code.startswith(DIGIT_LIMIT_OFF) else None
+        if error is not None:
+            misses = 0
+            yield question, code, error
+        elif (misses := misses + 1) > 10_000:
+            raise ValueError(f"no problem of {kinds or 'any kind'} at levels {levels} fails without its guard")
+
+
 def pretraining_documents(
-    n: int, levels: list[int], seed: int, layouts: PretrainLayouts, tool_name: str, tool_spec: str
+    n: int,
+    levels: list[int],
+    seed: int,
+    layouts: PretrainLayouts,
+    tool_name: str,
+    tool_spec: str,
+    unguarded_share: float = 0.0,
+    kinds: list[str] | None = None,
 ) -> list[str]:
     """n documents, each layout drawn by its share: problem statements of the RL kinds followed by
     their program as plain text, as a bare tool call, or as the assistant's call after the question
-    in a user turn (the rollout's turns, without system prompt, output or answer), and whole
-    rollout-format transcripts of tool tasks that are not RL kinds (so the chat form is not new to
-    the model, while no RL problem appears with its output or answer)."""
+    in a user turn (the rollout's turns, without system prompt, output or answer); the same turns
+    with a first call that fails for want of its guard, the error and the guarded call (`fix`); and
+    whole rollout-format transcripts of tool tasks that are not RL kinds (so the chat form is not
+    new to the model, while no RL problem appears with its output or answer). An
+    `unguarded_share` of the other programs omit the guard their larger inputs need, as first
+    attempts often do."""
     rng = random.Random(seed)
-    names = ["plain", "tool_call", "user_turn", "chat"]
+    names = ["plain", "tool_call", "user_turn", "chat", "fix"]
     drawn = rng.choices(names, weights=[getattr(layouts, name) for name in names], k=n)
-    statements = problem_statements(sum(layout != "chat" for layout in drawn), levels, seed)
+    statements = problem_statements(sum(layout not in ("chat", "fix") for layout in drawn), levels, seed, kinds)
+    failures = guard_failures(levels, seed + 1, kinds) if "fix" in drawn else iter(())
     documents = []
     for layout in drawn:
         if layout == "chat":
             transcript = tool_call_example(*tool_tasks(1, rng)[0], tool_name, tool_spec)
             documents.append("".join(text for text, _ in transcript))
             continue
+        if layout == "fix":
+            question, code, error = next(failures)
+            first = tool_call_text(tool_name, unguarded(code))
+            fixed = tool_call_text(tool_name, code)
+            documents.append(f"{user_turn_text(question)}{first}{tool_response_text(error.strip())}{fixed}{IM_END}\n")
+            continue
         _, _, question, code = next(statements)
+        if unguarded_share and rng.random() < unguarded_share:
+            code = unguarded(code)
         if layout == "user_turn":
             documents.append(f"{user_turn_text(question)}{tool_call_text(tool_name, code)}{IM_END}\n")
         else:
@@ -96,10 +128,18 @@ def copy_probe_samples(tokenizer, n: int, seed: int) -> list[Sample]:
     return samples
 
 
-def document_samples(
-    tokenizer, tiny: TinyModelConfig, levels: list[int], seed: int, tool_name: str, tool_spec: str
-) -> list[Sample]:
+def document_samples(tokenizer, cfg: RunConfig, seed: int) -> list[Sample]:
     """Enough packed documents (every layout the config shares out) for the document steps."""
+    tiny = cfg.model.tiny
     n = tiny.pretrain_steps * tiny.pretrain_batch_size * tiny.pretrain_seq_len // 32  # ~45 tokens or more
-    documents = pretraining_documents(n, levels, seed + 2_000_003, tiny.pretrain_layouts, tool_name, tool_spec)
+    documents = pretraining_documents(
+        n,
+        cfg.data.levels,
+        seed + 2_000_003,
+        tiny.pretrain_layouts,
+        cfg.rollout.tool_name,
+        cfg.rollout.tool_spec,
+        tiny.pretrain_unguarded_share,
+        cfg.data.kinds,
+    )
     return packed_samples(tokenizer, documents, tiny.pretrain_seq_len)

@@ -41,7 +41,7 @@ def file_rows(source: SourceConfig, malformed: MalformedRows) -> Iterator[RawPro
 def read_source(source: SourceConfig, data: DataConfig) -> tuple[list[RawProblem], list[Rejected], dict[str, Problem]]:
     """(rows, malformed rows, the generated Problems by id, which keep their solution code)."""
     if source.format == "generated":
-        problems = generate_problems(data.n_train + data.n_heldout, data.levels, data.seed)
+        problems = generate_problems(data.n_train + data.n_heldout, data.levels, data.seed, data.kinds)
         rows = [RawProblem(p.problem_id, source.name, p.question, p.answer) for p in problems]
         return rows, [], {p.problem_id: p for p in problems}
     rows, rejected = partition(file_rows(source, data.malformed_rows))

@@ -4,6 +4,13 @@ Each kind of problem comes with the Python program that solves it. The numbers a
 that a small model cannot do the arithmetic in its head but can copy them into a program, so a
 policy that learns to call the tool gains reward. Levels grow the size of the numbers and the
 number of steps.
+
+Two kinds have a natural first program that fails on their larger numbers, as real programs do:
+the digit sum of a power, or of a product of powers, needs `str()` of an integer past Python's 4,300-digit limit
+on int-to-str conversion, which raises `ValueError` unless the program lifts it first
+(`DIGIT_LIMIT_OFF`). Their solutions lift it; pre-training shows the program a share of the time
+without it (`unguarded`), so a policy's first call can fail and its second recover, the
+positives with tool errors that RoC filters.
 """
 
 from __future__ import annotations
@@ -11,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from tasks.records import Problem
 
@@ -69,6 +78,53 @@ def _sum_of_powers(rng: random.Random, level: int) -> tuple[str, str]:
     )
 
 
+DIGIT_LIMIT_OFF = "import sys\nsys.set_int_max_str_digits(0)\n"
+
+# Exponents whose powers pass the 4,300-digit limit from level 2 on: level 1's stay under it
+# (9^1500 has 1,432 digits; 9^700 * 9^700, 1,336).
+_POWER_EXPONENTS = {1: (50, 1500), 2: (2_000, 9_000), 3: (9_000, 30_000)}
+_PRODUCT_EXPONENTS = {1: (20, 700), 2: (1_000, 5_000), 3: (5_000, 15_000)}
+
+
+def _exponent(ranges: dict[int, tuple[int, int]], rng: random.Random, level: int) -> int:
+    return rng.randint(*ranges[min(level, max(ranges))])
+
+
+def _digit_sum(rng: random.Random, level: int) -> tuple[str, str]:
+    base, exp = rng.randint(2, 9), _exponent(_POWER_EXPONENTS, rng, level)
+    return (
+        f"What is the sum of the digits of {base}^{exp}?",
+        f"{DIGIT_LIMIT_OFF}print(sum(int(d) for d in str({base}**{exp})))",
+    )
+
+
+def _digit_sum_of_product(rng: random.Random, level: int) -> tuple[str, str]:
+    a, b = rng.sample(range(2, 10), 2)
+    m, n = _exponent(_PRODUCT_EXPONENTS, rng, level), _exponent(_PRODUCT_EXPONENTS, rng, level)
+    return (
+        f"What is the sum of the digits of {a}^{m} * {b}^{n}?",
+        f"{DIGIT_LIMIT_OFF}print(sum(int(d) for d in str({a}**{m} * {b}**{n})))",
+    )
+
+
+@contextmanager
+def own_digit_limit(lifted: bool) -> Iterator[None]:
+    """Inside: Python's digit limit on int <-> str conversion lifted, or as it is; after: this
+    process's limit back, whatever the code inside set (a generated program may lift it)."""
+    limit = sys.get_int_max_str_digits()
+    if lifted:
+        sys.set_int_max_str_digits(0)
+    try:
+        yield
+    finally:
+        sys.set_int_max_str_digits(limit)
+
+
+def unguarded(code: str) -> str:
+    """The program as most people first write it: without lifting the digit limit."""
+    return code.removeprefix(DIGIT_LIMIT_OFF)
+
+
 KINDS: dict[str, Callable[[random.Random, int], tuple[str, str]]] = {
     "arithmetic": _arithmetic,
     "multistep": _multistep,
@@ -76,13 +132,16 @@ KINDS: dict[str, Callable[[random.Random, int], tuple[str, str]]] = {
     "counting": _counting,
     "combinations": _combinations,
     "sum_of_powers": _sum_of_powers,
+    "digit_sum": _digit_sum,
+    "digit_sum_of_product": _digit_sum_of_product,
 }
 
 
 def solve(kind: str, question: str, code: str) -> str:
     """The answer, computed by running the solution program (generated, trusted code)."""
     printed: list[str] = []
-    exec(code, {"print": lambda value: printed.append(str(value)), "math": math})  # noqa: S102
+    with own_digit_limit(lifted=False):
+        exec(code, {"print": lambda value: printed.append(str(value)), "math": math})  # noqa: S102
     if len(printed) != 1 or not printed[0].lstrip("-").isdigit():
         raise ValueError(f"{kind} problem {question!r}: solution printed {printed!r}, not one integer")
     return printed[0]
@@ -92,12 +151,17 @@ def problem_id(question: str) -> str:
     return hashlib.sha1(question.encode()).hexdigest()[:12]
 
 
-def problem_statements(n: int, levels: list[int], seed: int) -> Iterator[tuple[str, int, str, str]]:
-    """n distinct (kind, level, question, solution code), kinds and levels drawn uniformly,
-    deterministic from the seed; unsolved, for uses that need no answer (solving the counting
-    and sum problems is a Python loop of up to 10^5 steps)."""
+def problem_statements(
+    n: int, levels: list[int], seed: int, kinds: list[str] | None = None
+) -> Iterator[tuple[str, int, str, str]]:
+    """n distinct (kind, level, question, solution code), kinds (None: every one of KINDS) and
+    levels drawn uniformly, deterministic from the seed; unsolved, for uses that need no answer
+    (solving the counting and sum problems is a Python loop of up to 10^5 steps)."""
     if not levels or any(level < 1 for level in levels):
         raise ValueError(f"levels must be a non-empty list of positive integers, got {levels}")
+    if kinds is not None and (not kinds or set(kinds) - set(KINDS)):
+        raise ValueError(f"data.kinds {kinds}: each must be one of {sorted(KINDS)}")
+    names = sorted(KINDS if kinds is None else set(kinds))
     rng = random.Random(seed)
     seen: set[str] = set()
     attempts = 0
@@ -105,7 +169,7 @@ def problem_statements(n: int, levels: list[int], seed: int) -> Iterator[tuple[s
         attempts += 1
         if attempts > 20 * n + 100:
             raise ValueError(f"could not generate {n} distinct problems at levels {levels}")
-        kind = rng.choice(sorted(KINDS))
+        kind = rng.choice(names)
         level = rng.choice(levels)
         question, code = KINDS[kind](rng, level)
         if question not in seen:
@@ -113,11 +177,11 @@ def problem_statements(n: int, levels: list[int], seed: int) -> Iterator[tuple[s
             yield kind, level, question, code
 
 
-def generate_problems(n: int, levels: list[int], seed: int) -> list[Problem]:
+def generate_problems(n: int, levels: list[int], seed: int, kinds: list[str] | None = None) -> list[Problem]:
     """n distinct problems with their answers (see `problem_statements`)."""
     return [
         Problem(problem_id(question), kind, level, question, solve(kind, question, code), code)
-        for kind, level, question, code in problem_statements(n, levels, seed)
+        for kind, level, question, code in problem_statements(n, levels, seed, kinds)
     ]
 
 

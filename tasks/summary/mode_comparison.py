@@ -18,6 +18,8 @@ from pathlib import Path
 from tasks.store.tables import write_text
 from tasks.summary.runs import (
     DRAWN_SHARE,
+    LUCKY_SHARE,
+    RECOVERED_SHARE,
     STEP_METRICS,
     RunResult,
     format_cell,
@@ -27,24 +29,39 @@ from tasks.summary.runs import (
     run_rows,
 )
 
+# Fig. 4's two readings: the policy's habit early in stage 1 (what RoC has to act on) and at its
+# end (what RoC taught), each the mean over this many RL steps.
+WINDOW = 3
+
 
 def _reduction(base: float, treat: float) -> float:
     return (base - treat) / base if base and not math.isnan(base) else math.nan
 
 
+def _window(run: RunResult, metric: str, end: bool) -> float:
+    """The metric's mean over stage 1's first or last WINDOW steps (NaN steps left out)."""
+    stage1 = run.steps.get(metric, [])[: run.stage_ends[0] if run.stage_ends else None]
+    return mean_std(stage1[-WINDOW:] if end else stage1[:WINDOW])[0]
+
+
 def compare(results: list[RunResult], baseline: str = "off", treatment: str = "paper") -> dict:
-    """The report's numbers. Per mode: held-out pass@1 after SFT and after the last RL stage and
-    the gain (mean and std over seeds), and the tool-error shares among kept and among all drawn
-    positives, each averaged over the RL steps that had a positive (then mean and std over
-    seeds). Then the treatment's relative reduction of the kept share against the baseline (same
-    seeds, same steps): of the means, and per seed."""
+    """The report's numbers. Per mode, mean and std over seeds of: held-out pass@1 after SFT and
+    after the last RL stage and the gain; the tool-error share among kept positives and among all
+    drawn positives, the drawn ones split into recovered and lucky, response length and turns,
+    each first averaged over a run's RL steps that had a positive; the drawn share over stage 1's
+    first and last WINDOW steps. Then the treatment's relative reductions against the baseline
+    (same seeds): of the kept share (selection), of the means and per seed, and of the drawn
+    share at the end of stage 1 (learning)."""
     modes: dict[str, dict] = {}
     for mode in dict.fromkeys(r.mode for r in results):
         runs = [r for r in results if r.mode == mode]
         final = [list(r.pass_at_1.values())[-1] for r in runs]
         sft = [r.pass_at_1.get("sft", math.nan) for r in runs]
         share = [mean_std(r.steps.get("roc/kept_pos_tool_error_share", []))[0] for r in runs]
-        drawn = [mean_std(r.steps.get(DRAWN_SHARE, []))[0] for r in runs]
+
+        def over_steps(metric: str) -> tuple[float, float, int]:
+            return mean_std([mean_std(r.steps.get(metric, []))[0] for r in runs])  # noqa: B023
+
         modes[mode] = {
             "seeds": [r.seed for r in runs],
             "sft": mean_std(sft),
@@ -52,7 +69,13 @@ def compare(results: list[RunResult], baseline: str = "off", treatment: str = "p
             "gain": mean_std([f - s for f, s in zip(final, sft)]),
             "error_share": mean_std(share),
             "error_share_by_seed": share,
-            "drawn_error_share": mean_std(drawn),
+            "drawn_error_share": over_steps(DRAWN_SHARE),
+            "drawn_first": mean_std([_window(r, DRAWN_SHARE, end=False) for r in runs]),
+            "drawn_end": mean_std([_window(r, DRAWN_SHARE, end=True) for r in runs]),
+            "recovered": over_steps(RECOVERED_SHARE),
+            "lucky": over_steps(LUCKY_SHARE),
+            "length": over_steps("response_length_mean"),
+            "turns": over_steps("turns_mean"),
         }
     out = {"modes": modes}
     if baseline in modes and treatment in modes:
@@ -64,6 +87,7 @@ def compare(results: list[RunResult], baseline: str = "off", treatment: str = "p
             for seed, share in zip(treat["seeds"], treat["error_share_by_seed"])
             if seed in by_seed
         }
+        out["drawn_end_reduction"] = _reduction(base["drawn_end"][0], treat["drawn_end"][0])
     return out
 
 
@@ -96,10 +120,15 @@ def ablation_command(
     )
 
 
+def _percent(stats: tuple[float, float, int]) -> str:
+    return format_cell(stats, percent=True)
+
+
 def write_report(results: list[RunResult], out_dir: Path, command: str) -> Path:
-    """report.md (a table per mode: pass@1 after SFT and after RL, the gain, the tool-error
-    share among kept positives; RoC's relative reduction; a row per run with its pass@1 per
-    checkpoint and wall time) and curves.png, under out_dir."""
+    """report.md (per mode: pass@1 after SFT and after RL and the gain; the tool-error shares of
+    positives, kept and drawn, early and late in stage 1, recovered and lucky; length and turns;
+    RoC's relative reductions; a row per run with its pass@1 per checkpoint and wall time) and
+    curves.png (each step metric per mode, the seeds' spread shaded), under out_dir."""
     numbers = compare(results)
     plot = plot_curves(results, out_dir / "curves.png", STEP_METRICS, "roc")
     seeds = sorted({r.seed for r in results})
@@ -108,32 +137,44 @@ def write_report(results: list[RunResult], out_dir: Path, command: str) -> Path:
         "",
         f"Command: `{command}`",
         "",
-        f"Seeds {seeds}; mean ± std over seeds. Held-out pass@1 is avg@k at the config's eval settings; the "
-        "tool-error share is the fraction of positive trajectories with at least one failed tool call, among "
-        "those RoC kept for training and among all the policy drew, averaged over the RL steps that had one.",
+        f"Seeds {seeds}; mean ± std over seeds. Held-out pass@1 is avg@k at the config's eval settings.",
         "",
-        "| roc mode | pass@1 after SFT | pass@1 after RL | gain (points) | tool-error share of kept positives (%) "
-        "| of all positives drawn (%) |",
-        "|---|---|---|---|---|---|",
+        "| roc mode | pass@1 after SFT | pass@1 after RL | gain (points) |",
+        "|---|---|---|---|",
     ]
     for mode, m in numbers["modes"].items():
+        lines.append(f"| {mode} | {format_cell(m['sft'])} | {format_cell(m['final'])} | {format_gain(m['gain'])} |")
+    lines += [
+        "",
+        "Positive trajectories (reward > 0) with at least one failed tool call, in %: among those RoC kept for "
+        "training, and among all the policy drew, over every RL step with a positive, then over stage 1's first "
+        f"and last {WINDOW} steps; the drawn ones split into recovered (a later call succeeded) and lucky (the last "
+        "call failed). Length in tokens and turns per rollout, all rollouts drawn.",
+        "",
+        "| roc mode | kept | drawn | drawn, first steps | drawn, end of stage 1 | recovered | lucky | length | turns |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, m in numbers["modes"].items():
+        shares = [m[k] for k in ("error_share", "drawn_error_share", "drawn_first", "drawn_end", "recovered", "lucky")]
         lines.append(
-            f"| {mode} | {format_cell(m['sft'])} | {format_cell(m['final'])} | {format_gain(m['gain'])} | "
-            f"{format_cell(m['error_share'], percent=True)} | {format_cell(m['drawn_error_share'], percent=True)} |"
+            f"| {mode} | {' | '.join(_percent(x) for x in shares)} | {m['length'][0]:.1f} | {m['turns'][0]:.2f} |"
         )
     if "relative_reduction" in numbers:
         reduction = numbers["relative_reduction"]
         by_seed = numbers["relative_reduction_by_seed"].values()
         per_seed = " / ".join("n/a" if math.isnan(r) else f"{100 * r:.0f}%" for r in by_seed)
+        drawn = numbers["drawn_end_reduction"]
         lines += [
             "",
-            "Tool-error share among kept positives, roc paper vs off: "
+            "Tool-error share among kept positives, roc paper vs off (selection): "
             + (
                 f"{100 * reduction:.0f}% lower (relative); per seed {per_seed}, "
                 f"mean {format_cell(mean_std(list(by_seed)), True)}%."
                 if not math.isnan(reduction)
                 else "not measurable (a mode kept no positive trajectory, or off kept no erring one)."
             ),
+            "Among all positives drawn at the end of stage 1, roc paper vs off (learning): "
+            + (f"{100 * drawn:.0f}% lower (relative)." if not math.isnan(drawn) else "not measurable."),
         ]
     lines += ["", *run_rows(results), "", f"![curves]({plot.name})", ""]
     report = write_text("\n".join(lines), out_dir / "report.md")

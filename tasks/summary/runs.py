@@ -10,23 +10,30 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tasks.records import ToolStatus
 from tasks.store.tables import evaluation_rows, read_table, stage_steps, step_part
 
 # The share of all positives the policy drew (kept or not) with a failed tool call: the policy's
-# own habit, which the paper's Fig. 4 follows; the kept share adds RoC's selection on top.
+# own habit, which the paper's Fig. 4 follows; the kept share adds RoC's selection on top. It
+# splits into positives that recovered (a later call succeeded) and lucky ones (the last call
+# failed and the answer was right anyway).
 DRAWN_SHARE = "drawn_pos_tool_error_share"
-# What the report plots per RL step: (metric of the steps table or DRAWN_SHARE, axis title).
+RECOVERED_SHARE = "drawn_pos_recovered_share"
+LUCKY_SHARE = "drawn_pos_lucky_share"
+# What the report plots per RL step: (metric of the steps table or a drawn share, axis title).
 STEP_METRICS = {
     "reward_mean": "reward (mean)",
     "roc/kept_pos_tool_error_share": "tool-error share, kept positives",
     DRAWN_SHARE: "tool-error share, all positives drawn",
+    LUCKY_SHARE: "lucky share, all positives drawn",
     "response_length_mean": "response length (tokens)",
+    "turns_mean": "turns per rollout",
 }
 # Also read per RL step, for the cold-start and rl.async reports (tasks/summary/cold_start.py,
 # async_comparison.py).
 RUN_METRICS = {
     **STEP_METRICS,
-    "turns_mean": "turns per rollout",
+    RECOVERED_SHARE: "recovered share, all positives drawn",
     "tool_error_rate": "tool-error rate (of calls)",
     "time_step_s": "step time (s)",
     "staleness/mean": "staleness (policy versions)",
@@ -56,10 +63,22 @@ def mean_std(values: list[float]) -> tuple[float, float, int]:
     return statistics.fmean(finite), statistics.stdev(finite) if len(finite) > 1 else 0.0, len(finite)
 
 
-def positive_error_share(rollouts: list[dict]) -> float:
-    """Fraction of the positive (reward > 0) rollouts with a failed tool call; NaN without any."""
+def positive_shares(rollouts: list[dict]) -> dict[str, float]:
+    """Among the positive (reward > 0) rollouts: the share with a failed tool call, and the shares
+    that recovered and that were lucky (their last call answered, not an outage, failed); NaNs
+    without any positive."""
     positives = [r for r in rollouts if r["reward"] > 0]
-    return statistics.fmean(r["tool_failures"] > 0 for r in positives) if positives else math.nan
+    if not positives:
+        return dict.fromkeys((DRAWN_SHARE, RECOVERED_SHARE, LUCKY_SHARE), math.nan)
+    failed = [r for r in positives if r["tool_failures"] > 0]
+    lucky = sum(
+        ToolStatus([s for s in r["tool_statuses"] if s != ToolStatus.INTERNAL.value][-1]).is_failure for r in failed
+    )
+    return {
+        DRAWN_SHARE: len(failed) / len(positives),
+        RECOVERED_SHARE: (len(failed) - lucky) / len(positives),
+        LUCKY_SHARE: lucky / len(positives),
+    }
 
 
 def read_run(run_dir: Path, seed: int, mode: str, stage_names: list[str]) -> RunResult:
@@ -70,7 +89,7 @@ def read_run(run_dir: Path, seed: int, mode: str, stage_names: list[str]) -> Run
     result = RunResult(seed, mode, run_dir.name, pass_at_1, {m: [] for m in RUN_METRICS})
     for stage in stage_names:
         for step, values in stage_steps(run_dir, stage).items():
-            values[DRAWN_SHARE] = positive_error_share(read_table(step_part(run_dir, "rollouts", stage, step)))
+            values.update(positive_shares(read_table(step_part(run_dir, "rollouts", stage, step))))
             for metric in RUN_METRICS:
                 result.steps[metric].append(values.get(metric, math.nan))
         result.stage_ends.append(len(result.steps["reward_mean"]))

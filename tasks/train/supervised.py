@@ -107,9 +107,7 @@ def build_base_model(cfg: RunConfig, train: list[Problem], model_dir: Path, log:
         )
         if copy_steps and not formed:
             print(f"copy drills: copying had not formed after {copy_steps} steps; the base model may not copy numbers")
-        documents = document_samples(
-            tokenizer, tiny, cfg.data.levels, cfg.seed, cfg.rollout.tool_name, cfg.rollout.tool_spec
-        )
+        documents = document_samples(tokenizer, cfg, cfg.seed)
         batch = tiny.pretrain_batch_size
         train_steps(trainer, documents, batch, tiny.pretrain_steps, cfg.seed, "pretrain", log, copy_steps)
         trainer.save_pretrained(model_dir)
@@ -126,8 +124,7 @@ def sft_samples(cfg: RunConfig, examples: list[Segments], tokenizer) -> list[Sam
         if len(ids) <= cfg.sft.max_len:
             samples.append(Sample(ids, mask))
     if cfg.sft.replay_share and not cfg.model.path:
-        tiny, rollout = cfg.model.tiny, cfg.rollout
-        replay = document_samples(tokenizer, tiny, cfg.data.levels, cfg.seed + 1, rollout.tool_name, rollout.tool_spec)
+        replay = document_samples(tokenizer, cfg, cfg.seed + 1)
         samples += replay[: round(len(samples) * cfg.sft.replay_share / (1 - cfg.sft.replay_share))]
     return samples
 
