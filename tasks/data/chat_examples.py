@@ -113,11 +113,11 @@ def malformed_call(tool_name: str, code: str, rng: random.Random) -> tuple[str, 
 def recovery_example(
     question: str, code: str, answer: str, tool_name: str, tool_spec: str, rng: random.Random
 ) -> Segments:
-    """A failing tool call (half malformed, half a failing program; always the program without the
-    digit limit's lift for one that needs it), its error, the corrected
-    call and the answer. The failing call is context, not a target: the model learns to recover
-    from an error, not to make one. This is what gives RL positive trajectories that contain
-    tool errors, the ones RoC filters out."""
+    """A failing tool call (half malformed, half a failing program; a program that lifts the digit
+    limit always fails for want of the lift), its error, the corrected call and the answer. The
+    failing call is context, not a target: the model learns to recover from an error, not to make
+    one. This is what gives RL positive trajectories that contain tool errors, the ones RoC
+    filters out."""
     if not code.startswith(DIGIT_LIMIT_OFF) and rng.random() < 0.5:
         first_call, error = malformed_call(tool_name, code, rng)
     else:

@@ -6,11 +6,11 @@ policy that learns to call the tool gains reward. Levels grow the size of the nu
 number of steps.
 
 Two kinds have a natural first program that fails on their larger numbers, as real programs do:
-the digit sum of a power, or of a product of powers, needs `str()` of an integer past Python's 4,300-digit limit
-on int-to-str conversion, which raises `ValueError` unless the program lifts it first
-(`DIGIT_LIMIT_OFF`). Their solutions lift it; pre-training shows the program a share of the time
-without it (`unguarded`), so a policy's first call can fail and its second recover, the
-positives with tool errors that RoC filters.
+the digit sum of a power, or of a product of powers, needs `str()` of an integer past Python's
+4,300-digit limit on int-to-str conversion, which raises `ValueError` unless the program lifts it
+first (`DIGIT_LIMIT_OFF`). Their solutions lift it; pre-training can show the program without it
+(`unguarded`), so a policy's first call can fail and its second recover: the positives with tool
+errors that RoC filters.
 """
 
 from __future__ import annotations
