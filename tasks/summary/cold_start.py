@@ -15,7 +15,17 @@ import statistics
 from pathlib import Path
 
 from tasks.store.tables import write_text
-from tasks.summary.runs import RunResult, format_cell, format_gain, mean_std, plot_curves, run_rows
+from tasks.summary.runs import (
+    WINDOW,
+    RunResult,
+    first_stage,
+    first_stage_window,
+    format_cell,
+    format_gain,
+    mean_std,
+    plot_curves,
+    run_rows,
+)
 
 CURVES = {
     "reward_mean": "reward (mean)",
@@ -23,7 +33,6 @@ CURVES = {
     "turns_mean": "turns per rollout",
     "tool_error_rate": "tool-error rate (of calls)",
 }
-WINDOW = 3  # RL steps averaged for "first steps" and "at the end"
 
 
 def half_final_step(rewards: list[float], window: int = WINDOW) -> float:
@@ -37,10 +46,6 @@ def half_final_step(rewards: list[float], window: int = WINDOW) -> float:
     return next(step for step, r in enumerate(rewards, start=1) if r >= half)
 
 
-def _window(values: list[float], first: bool, window: int = WINDOW) -> float:
-    return mean_std(values[:window] if first else values[-window:])[0]
-
-
 def summarize(results: list[RunResult]) -> dict[str, dict]:
     """Per arm (mean, std, n over seeds): held-out pass@1 after SFT and after the last RL stage,
     the gain; mean response length and turns per rollout over the first WINDOW steps of RL and
@@ -52,18 +57,17 @@ def summarize(results: list[RunResult]) -> dict[str, dict]:
         runs = [r for r in results if r.mode == arm]
         sft = [r.pass_at_1.get("sft", math.nan) for r in runs]
         final = [list(r.pass_at_1.values())[-1] for r in runs]
-        first_stage = [{m: v[: r.stage_ends[0]] for m, v in r.steps.items()} for r in runs]
         arms[arm] = {
             "seeds": [r.seed for r in runs],
             "sft": mean_std(sft),
             "final": mean_std(final),
             "gain": mean_std([f - s for f, s in zip(final, sft)]),
-            "length_first": mean_std([_window(s["response_length_mean"], True) for s in first_stage]),
-            "length_end": mean_std([_window(s["response_length_mean"], False) for s in first_stage]),
-            "turns_first": mean_std([_window(s["turns_mean"], True) for s in first_stage]),
-            "turns_end": mean_std([_window(s["turns_mean"], False) for s in first_stage]),
+            "length_first": mean_std([first_stage_window(r, "response_length_mean", first=True) for r in runs]),
+            "length_end": mean_std([first_stage_window(r, "response_length_mean", first=False) for r in runs]),
+            "turns_first": mean_std([first_stage_window(r, "turns_mean", first=True) for r in runs]),
+            "turns_end": mean_std([first_stage_window(r, "turns_mean", first=False) for r in runs]),
             "tool_error_rate": mean_std([mean_std(r.steps["tool_error_rate"])[0] for r in runs]),
-            "half_final_step": mean_std([half_final_step(s["reward_mean"]) for s in first_stage]),
+            "half_final_step": mean_std([half_final_step(first_stage(r, "reward_mean")) for r in runs]),
         }
     return arms
 

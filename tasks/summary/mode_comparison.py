@@ -21,7 +21,9 @@ from tasks.summary.runs import (
     LUCKY_SHARE,
     RECOVERED_SHARE,
     STEP_METRICS,
+    WINDOW,
     RunResult,
+    first_stage_window,
     format_cell,
     format_gain,
     mean_std,
@@ -29,27 +31,18 @@ from tasks.summary.runs import (
     run_rows,
 )
 
-# Fig. 4's two readings: the policy's habit early in stage 1 (what RoC has to act on) and at its
-# end (what RoC taught), each the mean over this many RL steps.
-WINDOW = 3
-
 
 def _reduction(base: float, treat: float) -> float:
     return (base - treat) / base if base and not math.isnan(base) else math.nan
-
-
-def _window(run: RunResult, metric: str, end: bool) -> float:
-    """The metric's mean over stage 1's first or last WINDOW steps (NaN steps left out)."""
-    stage1 = run.steps.get(metric, [])[: run.stage_ends[0] if run.stage_ends else None]
-    return mean_std(stage1[-WINDOW:] if end else stage1[:WINDOW])[0]
 
 
 def compare(results: list[RunResult], baseline: str = "off", treatment: str = "paper") -> dict:
     """The report's numbers. Per mode, mean and std over seeds of: held-out pass@1 after SFT and
     after the last RL stage and the gain; the tool-error share among kept positives and among all
     drawn positives, the drawn ones split into recovered and lucky, response length and turns,
-    each first averaged over a run's RL steps that had a positive; the drawn share over stage 1's
-    first and last WINDOW steps. Then the treatment's relative reductions against the baseline
+    each first averaged over a run's RL steps that had a positive; the drawn share over the first
+    stage's first and last WINDOW steps (Fig. 4's two readings: what RoC has to act on, and what it
+    taught). Then the treatment's relative reductions against the baseline
     (same seeds): of the kept share (selection), of the means and per seed, and of the drawn
     share at the end of stage 1 (learning)."""
     modes: dict[str, dict] = {}
@@ -70,8 +63,8 @@ def compare(results: list[RunResult], baseline: str = "off", treatment: str = "p
             "error_share": mean_std(share),
             "error_share_by_seed": share,
             "drawn_error_share": over_steps(DRAWN_SHARE),
-            "drawn_first": mean_std([_window(r, DRAWN_SHARE, end=False) for r in runs]),
-            "drawn_end": mean_std([_window(r, DRAWN_SHARE, end=True) for r in runs]),
+            "drawn_first": mean_std([first_stage_window(r, DRAWN_SHARE, first=True) for r in runs]),
+            "drawn_end": mean_std([first_stage_window(r, DRAWN_SHARE, first=False) for r in runs]),
             "recovered": over_steps(RECOVERED_SHARE),
             "lucky": over_steps(LUCKY_SHARE),
             "length": over_steps("response_length_mean"),

@@ -99,6 +99,22 @@ def read_run(run_dir: Path, seed: int, mode: str, stage_names: list[str]) -> Run
     return result
 
 
+# RL steps averaged for "early" and "late" in the first stage (the later stages draw other problems).
+WINDOW = 3
+
+
+def first_stage(run: RunResult, metric: str) -> list[float]:
+    """The metric per RL step of the run's first stage."""
+    values = run.steps.get(metric, [])
+    return values[: run.stage_ends[0]] if run.stage_ends else values
+
+
+def first_stage_window(run: RunResult, metric: str, first: bool) -> float:
+    """The metric's mean over the first stage's first or last WINDOW steps (NaN steps left out)."""
+    values = first_stage(run, metric)
+    return mean_std(values[:WINDOW] if first else values[-WINDOW:])[0]
+
+
 def format_cell(stats: tuple[float, float, int], percent: bool = False) -> str:
     mean, std, n = stats
     if n == 0:
