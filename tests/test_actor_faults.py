@@ -1,4 +1,7 @@
-"""Actors SIGKILLed while they work, on a run's local Ray (two engines, two sandbox replicas):
+"""A run's local Ray (two engines, two sandbox replicas, a trainer rank), started once by the run's
+lifecycle object. First, whole: a push from the rank reaches both engines over a process group
+(gloo), and after the next update through Ray's object store. Then actors SIGKILLed while they
+work:
 
 - an engine in the middle of a rollout batch: the batch completes on the other engine with every
   rollout once, the rollouts it held counted as re-queued; Ray restarts the actor, and the next
@@ -63,6 +66,7 @@ def runtime(model_dir, tmp_path_factory):
             "engines.kv_cache_gib": 0.01,
             "rl.optim": {"lr": 1e-2, "warmup_steps": 0, "micro_batch_size": 4},
             "trainer.zero_stage": 1,
+            "cluster.weight_sync": "gloo",
             "cluster.weight_sync_timeout_s": 120,
             "sandbox.replicas": 2,
             "sandbox.cpus": 0.25,
@@ -73,6 +77,36 @@ def runtime(model_dir, tmp_path_factory):
         runtime.started = started_pids(runtime.where)  # and the pids of restarted actors, as tests see them
         yield runtime
     assert not wait_gone(runtime.started)
+
+
+def test_every_engine_actor_follows_the_trainer_rank_over_either_backend(model_dir, runtime) -> None:
+    from tasks.cluster.sync import WeightSync
+    from tests.test_weight_sync import TOLERANCE
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    texts = [p.question + "\n" + p.solution_code for p in generate_problems(4, [1, 2], seed=2)]
+    samples = [Sample(ids, [1] * len(ids), advantage=1.0) for ids in tokenizer(texts)["input_ids"]]
+    sequences = [s.token_ids for s in samples]
+    assert len(runtime.engines.kv_tokens) == 2 and min(runtime.engines.kv_tokens) > 0
+    trainer = runtime.policy_trainer(total_steps=10, reset_optimizer=False)
+
+    def gaps() -> list[float]:
+        """Each engine's worst log-prob gap to the trainer rank."""
+        trainer_view = trainer.token_logprobs(samples)
+        return [max_logprob_gap(view, trainer_view) for view in runtime.engines.prompt_logprobs(sequences)]
+
+    fresh = gaps()
+    assert max(fresh) < TOLERANCE, fresh  # the same weights on both sides before any update
+    object_store = runtime.cfg.cluster.model_copy(update={"weight_sync": "object_store"})
+    for sync in (runtime.weight_sync, WeightSync(runtime.trainer, runtime.engines, object_store)):
+        trainer.sft_step(samples)
+        stale = gaps()
+        assert min(stale) > 10 * TOLERANCE, (sync.backend, stale)
+        sent = sync.push()
+        assert sent["bytes"] > 0, (sync.backend, sent)
+        synced = gaps()
+        assert max(synced) < TOLERANCE, (sync.backend, synced)
+    assert [runtime.weight_sync.backend, sync.backend] == ["gloo", "object_store"]
 
 
 def test_a_dead_engine_costs_a_requeue_and_comes_back_with_the_weights(model_dir, runtime) -> None:

@@ -1,7 +1,8 @@
 """The trainer as Ray rank actors (tasks/cluster/trainers.py), with a real local Ray and real
 DeepSpeed on CPU (gloo): two ranks on unequal shares of one global batch hold identical weights
-after every step, equal to one rank trained on the whole batch, and a two-rank checkpoint
-resumes in new actors exactly where the old ones would have gone on.
+after every step, equal to one rank trained on the whole batch; a two-rank checkpoint resumes in
+new actors exactly where the old ones would have gone on, and a ZeRO-3 one on another number of
+ranks within the same bound.
 
 Run: .venv/bin/python -m pytest tests/test_trainer_ranks.py -q   (about 40-50 s)
 """
@@ -20,6 +21,7 @@ from tasks.config import LossConfig, OptimConfig, TinyModelConfig, TrainerConfig
 from tasks.config.cluster import ClusterConfig
 from tasks.data.problems import generate_problems
 from tasks.records import Sample
+from tasks.store.run_folder import universal_copy
 from tasks.train.tiny_model import build_tiny_model
 from tests.processes import wait_gone
 
@@ -169,3 +171,55 @@ def test_two_rank_checkpoint_resumes_in_new_actors(tiny_model, pair, tmp_path):
     assert weights_only.rl_step(batch(2), loss)["lr"] < expected["lr"]
     diff = max_diff(weights_only.parameters()[0], final[0])
     assert diff > LR / 10, diff  # measured: 0.008
+
+
+def test_a_zero3_checkpoint_resumes_on_another_number_of_ranks_with_its_optimizer_state(
+    tiny_model, pair, solo, tmp_path
+):
+    """ZeRO-3, whose weights are partitioned too: saved by 2 ranks, resumed by 1, saved again and
+    resumed by 2, each time through DeepSpeed's universal format. Each resumed step gives the
+    weights the unbroken run has after that step, within the bound of two ranks against one; the
+    same weights with a fresh optimizer and lr schedule take another step (the ZeRO state came
+    across). Through the run's lifecycle object, a 2-rank run resumes on 1 rank in
+    tests/test_resume_pipeline.py."""
+    checkpoints, loss, optim = tmp_path / "checkpoints", LossConfig(), {"warmup_steps": 3, **LINEAR}
+
+    def resumed_within_bound(resumed: dict, unbroken: dict, before: dict) -> float:
+        # One step from the same weights and optimizer state: the reduction bound of the update.
+        bound = 2 * U * max_abs(unbroken) + REDUCTION_BOUND * max_diff(unbroken, before)
+        diff = max_diff(resumed, unbroken)
+        assert diff < bound, f"resumed vs unbroken: {diff} (bound {bound})"
+        return bound
+
+    two = trainers(pair, tiny_model, 3, **optim)  # the lr rises each step of the warm-up
+    lr_1 = two.rl_step(batch(0), loss)["lr"]
+    two.save_checkpoint(checkpoints, "step-00001")
+    at_1 = two.parameters()[0]
+    expected_2 = two.rl_step(batch(1), loss)
+    after_2 = two.parameters()[0]
+
+    one = trainers(solo, tiny_model, 3, **optim)
+    one.load_checkpoint(checkpoints, "step-00001")
+    assert max_diff(one.parameters()[0], at_1) == 0.0  # a copy through the universal format
+    assert one.rl_step(batch(1), loss)["lr"] == expected_2["lr"]
+    resumed_2 = one.parameters()[0]
+    resumed_within_bound(resumed_2, after_2, at_1)
+    one.save_checkpoint(checkpoints, "step-00002")
+    expected_3 = one.rl_step(batch(2), loss)
+    after_3 = one.parameters()[0]
+
+    two = trainers(pair, tiny_model, 3, **optim)  # fresh trainers in the same actors
+    two.load_checkpoint(checkpoints, "step-00002")
+    assert two.rl_step(batch(2), loss)["lr"] == expected_3["lr"]
+    rank0, rank1 = two.parameters()
+    assert all(torch.equal(rank0[name], rank1[name]) for name in rank0)
+    bound = resumed_within_bound(rank0, after_3, resumed_2)
+    assert universal_copy(checkpoints, "step-00001").is_dir() and universal_copy(checkpoints, "step-00002").is_dir()
+
+    fresh = trainers(pair, tiny_model, 3, **optim)
+    fresh.load_checkpoint(checkpoints, "step-00002", weights_only=True)
+    assert max_diff(fresh.parameters()[0], resumed_2) == 0.0
+    assert fresh.rl_step(batch(2), loss)["lr"] == pytest.approx(lr_1)  # the warm-up starts over
+    diff = max_diff(fresh.parameters()[0], after_3)
+    print(f"ZeRO-3 resumed 2 -> 1 -> 2 ranks within {bound:.1e}; a fresh optimizer differs by {diff:.1e}")
+    assert diff > 100 * bound, diff

@@ -7,11 +7,12 @@ each step once); a one-node local Ray with 2 ranks is tests/test_resume_pipeline
 engine and sandbox replica tests/test_two_hosts.py's:
 - a trainer rank SIGKILLed in step 1's update: the attempt fails naming the rank, and Prefect's
   retry goes on from step 0's checkpoint;
-- the CPU node removed after step 0: its sandbox replicas come back on the node that is left;
-- a node holding the only engines removed after step 0: the run stops with the plan's error, and
-  once a node is back, the same run id goes on from step 0's checkpoint.
+- nodes lost, in one run whose engines only an engine node can hold and whose sandboxes may live
+  anywhere: the CPU node removed after step 0, its sandbox replicas come back on the node that is
+  left within the attempt; the engine node removed after step 1, the run stops with the plan's
+  error, and once a node is back, the same run id goes on from step 1's checkpoint.
 
-Run: .venv/bin/python -m pytest tests/test_two_nodes.py -q   (about 8 minutes on 2 cores)
+Run: .venv/bin/python -m pytest tests/test_two_nodes.py -q   (about 5 minutes on 2 cores)
 """
 
 import asyncio
@@ -35,7 +36,7 @@ from ray.cluster_utils import Cluster
 from flows.pipeline import pipeline
 from tasks.store import tables as store
 from tasks.tracking.mlflow_log import EXPERIMENT, tracking_uri
-from tests.processes import alive, placed_pids, wait_busy, wait_for, wait_gone
+from tests.processes import alive, placed_pids, wait_busy, wait_for, wait_gone, wait_until
 from tests.small_run import small_run, stage
 from tests.test_resume_pipeline import step_histories, table_parts
 
@@ -51,6 +52,7 @@ ACTORS = {
     "sandbox.cpus": 0.5,
     "sandbox.workers": 1,
 }
+NODES_LOST_STEPS = 3  # the engine node goes after step 1: a step is left to fail
 ON_NODES = {
     "trainer.resources": {"gpu_node": 1},
     "engines.resources": {"gpu_node": 1},
@@ -58,11 +60,11 @@ ON_NODES = {
 }
 
 
-def overrides(output_dir: Path) -> dict:
+def overrides(output_dir: Path, steps: int = 2) -> dict:
     # The small run's policy solves nothing yet: groups without signal still make an update (of
     # zero advantages), so that every step trains, checkpoints and syncs.
     return {
-        **small_run([stage("stage1", 2)]),
+        **small_run([stage("stage1", steps)]),
         "output_dir": str(output_dir),
         "eval.base": False,
         "rl.roc.drop_zero_signal": False,
@@ -94,13 +96,6 @@ def kill_rank(run_dir: Path, rng: random.Random, log: list) -> None:
     log.append("trainer 1")
 
 
-def remove_node(cluster: Cluster, node, run_dir: Path, rng: random.Random, log: list) -> None:
-    wait_for(step_done(run_dir, 0))
-    time.sleep(rng.uniform(0, 1.0))
-    cluster.remove_node(node)
-    log.append("node removed")
-
-
 def run_with(fault, run_id: str, on_cluster: dict, root: Path, *args) -> tuple[Path, list]:
     """The pipeline, with `fault` (run_dir, rng, log, after *args) injected from a thread."""
     log: list = []
@@ -114,28 +109,49 @@ def run_with(fault, run_id: str, on_cluster: dict, root: Path, *args) -> tuple[P
     return run_dir, log + attempts
 
 
-def stopped_until_the_node_is_back(cluster: Cluster, on_cluster: dict, root: Path) -> tuple[Path, list]:
-    """Engines only an engine node can hold, and that node removed after step 0: the attempt
-    fails (every engine gone), its retry cannot place them and the run stops with the plan's
-    error; run again with the same id once a node is back, it goes on from step 0's checkpoint."""
-    pinned = {**on_cluster, "engines.resources": {"engine_node": 1}}
-    run_dir, log = root / "runs" / "node-gone", []
-    node = cluster.add_node(num_cpus=1, resources={"engine_node": 2})
-    injector = threading.Thread(
-        target=remove_node, args=(cluster, node, run_dir, random.Random("node-gone"), log), daemon=True
-    )
+def nodes_lost(cluster: Cluster, cpu_node, on_cluster: dict, root: Path) -> tuple[Path, list, list[int]]:
+    """Sandboxes that may live on any node, engines that only an engine node can hold, 3 steps.
+    Once step 0 is recorded the CPU node goes; once its sandbox replicas are back on the node
+    that is left and step 1 is recorded, the engine node goes: the attempt fails (every engine
+    gone), its retry cannot place them and the run stops with the plan's error. Run again with
+    the same id once a node is back, it goes on from step 1's checkpoint. Returns the run folder,
+    what happened, and the replicas that were on the CPU node."""
+    settings = {**on_cluster, **overrides(root, NODES_LOST_STEPS), "sandbox.resources": {}}
+    settings["engines.resources"] = {"engine_node": 1}
+    run_dir, log, moved = root / "runs" / "nodes-lost", [], []
+    engine_node = cluster.add_node(num_cpus=1, resources={"engine_node": 2})
+    rng = random.Random("nodes-lost")
+
+    def restarted(index: int) -> bool:
+        return (run_dir / "logs" / f"sandbox-{index}.log").read_text().count("sandbox on http") == 2
+
+    def remove_both() -> None:
+        wait_for(step_done(run_dir, 0))
+        time.sleep(rng.uniform(0, 1.0))
+        cpu_id = cpu_node.node_id
+        actors = json.loads((run_dir / "placement.json").read_text())["actors"]
+        moved.extend(a["index"] for a in actors if a["role"] == "sandbox" and a["node_id"] == cpu_id)
+        cluster.remove_node(cpu_node)
+        log.append("CPU node removed")
+        wait_until(lambda: all(restarted(index) for index in moved), "the lost replicas restarted", 300)
+        wait_for(step_done(run_dir, 1))
+        time.sleep(rng.uniform(0, 0.3))
+        cluster.remove_node(engine_node)
+        log.append("engine node removed")
+
+    injector = threading.Thread(target=remove_both, daemon=True)
     injector.start()
     before = asyncio.run(retried())
     try:
-        pipeline(config=str(CONFIG), run_id="node-gone", overrides=pinned)
+        pipeline(config=str(CONFIG), run_id="nodes-lost", overrides=settings)
         stopped = "the run did not stop"
     except Exception as error:
         stopped = f"{type(error).__name__}: {error}"
     log += attempts_since(before)
     injector.join(timeout=10)
     cluster.add_node(num_cpus=1, resources={"engine_node": 2})
-    pipeline(config=str(CONFIG), run_id="node-gone", overrides=pinned)
-    return run_dir, [*log, stopped]
+    pipeline(config=str(CONFIG), run_id="nodes-lost", overrides=settings)
+    return run_dir, [*log, stopped], moved
 
 
 async def retried() -> dict:
@@ -178,10 +194,7 @@ def runs(tmp_path_factory, prefect_api):
         faults["rank"] = run_with(kill_rank, "two-nodes", on_cluster, root)
         assert not ray.is_initialized()  # the run disconnected; the cluster is still up
         assert all(alive(pid) for pid in ray_pids)
-        # Sandboxes that may live on any node: the ones on the CPU node can move when it goes.
-        movable = {**on_cluster, "sandbox.resources": {}}
-        faults["node"] = run_with(remove_node, "node-lost", movable, root, cluster, cpu_node)
-        faults["gone"] = stopped_until_the_node_is_back(cluster, movable, root)  # (the CPU node is gone)
+        faults["nodes"] = nodes_lost(cluster, cpu_node, on_cluster, root)
     finally:
         cluster.shutdown()
     return {
@@ -234,29 +247,30 @@ def step_metric(run_dir: Path, metric: str) -> dict[int, float]:
     return {r["step"]: r["value"] for r in rows(run_dir, "steps") if r["metric"] == metric}
 
 
-def assert_as_config_implies(run_dir: Path) -> None:
-    """Every part an uninterrupted run writes, once, with all its rows and every group whole:
-    problems x 2G per RL step, the held-out problems x k per evaluated checkpoint; each RL step
-    recorded, and in MLflow once."""
+def assert_as_config_implies(run_dir: Path, steps: int = 2) -> None:
+    """Every part an uninterrupted run of `steps` RL steps writes, once, with all its rows and
+    every group whole: problems x 2G per RL step, the held-out problems x k per evaluated
+    checkpoint; each RL step recorded, and in MLflow once."""
     small = overrides(run_dir.parents[1])
     heldout = pq.read_metadata(run_dir / "data" / "heldout.parquet").num_rows
     group, k = 2 * small["rl.group_size"], small["eval.k"]
     parts = {
-        ("stage1", 0): 2 * group,
-        ("stage1", 1): 2 * group,
+        **{("stage1", step): 2 * group for step in range(steps)},
         ("eval-sft", 0): heldout * k,
         ("eval-stage1", 0): heldout * k,
     }
     assert table_parts(run_dir, "rollouts") == {part: (n, n) for part, n in parts.items()}  # rows = unique keys
     sizes = {name: {size for (stage, _, _), size in group_sizes(run_dir).items() if stage == name} for name, _ in parts}
     assert sizes == {"stage1": {group}, "eval-sft": {k}, "eval-stage1": {k}}
-    steps = table_parts(run_dir, "steps")
-    assert steps.keys() == {("stage1", 0), ("stage1", 1)} and all(rows == keys for rows, keys in steps.values())
-    assert {(r["step"], r["metric"]) for r in rows(run_dir, "steps")} >= {(0, "reward_mean"), (1, "reward_mean")}
+    recorded = table_parts(run_dir, "steps")
+    assert recorded.keys() == {("stage1", step) for step in range(steps)}
+    assert all(rows == keys for rows, keys in recorded.values())
+    rewards = {(step, "reward_mean") for step in range(steps)}
+    assert {(r["step"], r["metric"]) for r in rows(run_dir, "steps")} >= rewards
     evaluations = sorted(p.parent.parent.name for p in (run_dir / "evaluations").rglob("*.parquet"))
     assert evaluations == ["checkpoint=sft", "checkpoint=stage1"]
     histories = step_histories(run_dir.parents[1], run_dir.name)
-    assert histories == [("base", []), ("parent", []), ("sft", []), ("stage1", [0, 1])]
+    assert histories == [("base", []), ("parent", []), ("sft", []), ("stage1", list(range(steps)))]
 
 
 def test_a_dead_trainer_rank_costs_a_retry_from_the_last_checkpoint(runs):
@@ -267,25 +281,27 @@ def test_a_dead_trainer_rank_costs_a_retry_from_the_last_checkpoint(runs):
 
 
 def test_a_lost_node_costs_its_actors_a_move(runs):
-    run_dir, log = runs["faults"]["node"]
-    assert log == ["node removed"]
-    assert_as_config_implies(run_dir)
+    run_dir, log, moved = runs["faults"]["nodes"]
+    assert log[0] == "CPU node removed" and log[1] == "engine node removed", log  # no failed attempt between
+    assert moved, "no replica was on the node that went"
+    for index in range(2):  # the moved ones came back within the attempt; the run again started each
+        restarts = (run_dir / "logs" / f"sandbox-{index}.log").read_text().count("sandbox on http")
+        assert restarts == (3 if index in moved else 2), (index, moved, restarts)
     actors = json.loads((run_dir / "placement.json").read_text())["actors"]
-    moved = [a["index"] for a in actors if a["role"] == "sandbox" and a["node_id"] == runs["node_ids"]["cpu"]]
-    assert moved, actors  # a replica was on the node that went
-    for index in moved:  # and came back on the node that is left
-        assert (run_dir / "logs" / f"sandbox-{index}.log").read_text().count("sandbox on http") == 2
+    where = {(a["role"], a["index"]): a["node_id"] for a in actors}
+    assert all(where[("sandbox", i)] == runs["node_ids"]["gpu"] for i in range(2)), where  # the node that is left
+    assert all(where[("engine", i)] not in runs["node_ids"].values() for i in range(2)), where  # the new engine node
 
 
 def test_a_node_lost_for_good_stops_the_run_until_it_is_back(runs):
-    run_dir, log = runs["faults"]["gone"]
-    assert len(log) == 3 and log[0] == "node removed", log
-    assert "every engine is gone" in log[1], log[1]  # the attempt that lost them; its retry:
-    assert log[2].startswith("PlanError: ") and "engine_node" in log[2], log[2]
-    assert_as_config_implies(run_dir)
+    run_dir, log, _ = runs["faults"]["nodes"]
+    assert len(log) == 4, log
+    assert "every engine is gone" in log[2], log[2]  # the attempt that lost them; its retry:
+    assert log[3].startswith("PlanError: ") and "engine_node" in log[3], log[3]
+    assert_as_config_implies(run_dir, NODES_LOST_STEPS)
 
 
 def test_nothing_it_started_is_left_running(runs):
-    runs_dirs = [run_dir for run_dir, _ in runs["faults"].values()]
+    runs_dirs = [run_dir for run_dir, *_ in runs["faults"].values()]
     pids = [pid for run_dir in runs_dirs for pid in placed_pids(run_dir)] + runs["ray_pids"]
     assert wait_gone(pids) == []
