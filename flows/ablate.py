@@ -12,8 +12,8 @@ from prefect import flow
 from flows.pipeline import pipeline
 from flows.preflight import check_run
 from tasks.ablation import (
+    arm_source,
     read_run,
-    sft_run_of,
     start_from_run,
     write_ablation_report,
     write_async_report,
@@ -40,18 +40,13 @@ def run_arms(
     seed. Re-running with the same name resumes."""
     cfg = load_config(config, overrides)
     check_run(cfg)  # before a run folder gets a copy of a policy
-    names = list(arms)
+    first_arm, runs_dir = next(iter(arms)), Path(cfg.output_dir) / "runs"
     results = []
     for seed in range(seeds):
-        first = f"{name}-s{seed}-{names[0]}"
         for arm, arm_overrides in arms.items():
             run_id = f"{name}-s{seed}-{arm}"
             run_overrides = {**(overrides or {}), "seed": seed, **arm_overrides}
-            source = (
-                run_dir(cfg.output_dir, first)
-                if arm != names[0]
-                else (sft_run_of(Path(cfg.output_dir) / "runs", sft_from, seed) if sft_from else None)
-            )
+            source = arm_source(runs_dir, name, seed, arm, first_arm, sft_from)
             if source is not None:
                 start_from_run(source, run_dir(cfg.output_dir, run_id), load_config(config, run_overrides), upto)
             pipeline(config, run_id, run_overrides)

@@ -20,8 +20,8 @@ def start_from_run(source: Path, target: Path, cfg: RunConfig, upto: str) -> Non
 
 
 @task(cache_policy=NO_CACHE)
-def sft_run_of(runs_dir: Path, ablation: str, seed: int) -> Path:
-    return run_folder.sft_run_of(runs_dir, ablation, seed)
+def arm_source(runs_dir: Path, name: str, seed: int, arm: str, first_arm: str, sft_from: str | None) -> Path | None:
+    return run_folder.arm_source(runs_dir, name, seed, arm, first_arm, sft_from)
 
 
 @task(cache_policy=NO_CACHE)

@@ -114,8 +114,8 @@ def test_report_has_a_row_per_mode_the_command_and_a_png(tmp_path) -> None:
 @pytest.mark.slow
 def test_ablate_flow_runs_each_mode_from_one_sft_policy_and_reports(tmp_path, prefect_api) -> None:
     """Two modes, one seed, at a small size: the second mode's run starts from the first one's SFT
-    policy (not trained again) and the report compares both; a second ablation with another RL
-    setting starts from the same SFT policy."""
+    policy (not trained again) and the report compares both. Where a second ablation (`sft_from`)
+    starts: the unit tests below."""
     from flows.ablate import ablate
     from tasks.config import default_config_path
     from tests.small_run import small_run, stage
@@ -127,15 +127,6 @@ def test_ablate_flow_runs_each_mode_from_one_sft_policy_and_reports(tmp_path, pr
         "rl.group_size": 2,
     }
     report = ablate(config=str(default_config_path()), seeds=1, modes=["paper", "off"], overrides=overrides, name="t")
-    # another RL setting from the same SFT policy
-    paired = ablate(
-        config=str(default_config_path()),
-        seeds=1,
-        modes=["paper"],
-        name="u",
-        sft_from="t",
-        overrides={**overrides, "rl.optim.lr": 1e-5},
-    )
     paper, off = tmp_path / "runs" / "t-s0-paper", tmp_path / "runs" / "t-s0-off"
     sft = (paper / "models" / "sft" / "model.safetensors").read_bytes()
     assert (off / "models" / "sft" / "model.safetensors").read_bytes() == sft
@@ -149,8 +140,6 @@ def test_ablate_flow_runs_each_mode_from_one_sft_policy_and_reports(tmp_path, pr
     assert "| paper |" in text and "| off |" in text and "| `t-s0-off` | sft " in text
     assert "rstar2 ablate --config" in text and "--seeds 1 --modes paper off --name t " in text
     assert (Path(report).parent / "curves.png").exists()
-    assert (tmp_path / "runs" / "u-s0-paper" / "models" / "sft" / "model.safetensors").read_bytes() == sft
-    assert "--name u --sft-from t " in Path(paired).read_text()
 
 
 def _finished_sft_run(run_dir: Path, cfg) -> Path:
@@ -173,7 +162,8 @@ def _finished_sft_run(run_dir: Path, cfg) -> Path:
 
 def test_a_run_starts_from_another_runs_sft_policy_only_if_their_configs_differ_in_rl_alone(tmp_path) -> None:
     from tasks.config import default_config_path, load_config
-    from tasks.store.run_folder import sft_run_of, start_from_run
+    from tasks.store.run_folder import arm_source, sft_run_of, start_from_run
+    from tasks.summary.mode_comparison import ablation_command
 
     def cfg(**overrides):
         return load_config(default_config_path(), {"output_dir": str(tmp_path), **overrides})
@@ -183,6 +173,14 @@ def test_a_run_starts_from_another_runs_sft_policy_only_if_their_configs_differ_
     assert sft_run_of(runs, "a", 0) == source
     with pytest.raises(ValueError, match="no run a-s1-<mode>"):
         sft_run_of(runs, "a", 1)
+    # An ablation's runs: a seed's later arms from its first arm's run, the first from scratch or
+    # from ablation `sft_from`'s run of the seed; its report's command names that ablation.
+    assert arm_source(runs, "b", 0, "off", "paper", None) == runs / "b-s0-paper"
+    assert arm_source(runs, "b", 0, "paper", "paper", None) is None
+    assert arm_source(runs, "b", 0, "paper", "paper", "a") == source
+    assert arm_source(runs, "b", 0, "off", "paper", "a") == runs / "b-s0-paper"
+    command = ablation_command("configs/tiny.yaml", 1, ["paper"], {"rl.optim.lr": 1e-5}, "b", sft_from="a")
+    assert "--name b --sft-from a --set=rl.optim.lr=1e-05" in command
 
     start_from_run(source, runs / "b-s0-paper", cfg(**{"rl.optim.lr": 1e-5, "rl.roc.mode": "off"}))
     target = runs / "b-s0-paper"

@@ -205,6 +205,14 @@ def start_from_run(source: Path, target: Path, cfg: RunConfig, upto: str = "sft"
     staging.rename(target)
 
 
+def arm_source(runs_dir: Path, name: str, seed: int, arm: str, first_arm: str, sft_from: str | None) -> Path | None:
+    """The run a comparison's run `<name>-s<seed>-<arm>` starts from: a seed's later arms from its
+    first arm's run; its first arm from ablation `sft_from`'s run of the seed, or from scratch."""
+    if arm != first_arm:
+        return runs_dir / f"{name}-s{seed}-{first_arm}"
+    return sft_run_of(runs_dir, sft_from, seed) if sft_from else None
+
+
 def sft_run_of(runs_dir: Path, ablation: str, seed: int) -> Path:
     """The run of ablation `ablation` (any mode) that trained seed `seed`'s SFT policy."""
     for run_dir in sorted(runs_dir.glob(f"{ablation}-s{seed}-*")):
