@@ -11,6 +11,8 @@ work:
 - a sandbox replica with calls in flight: each call is answered once, from the other replica,
   none as an outage; Ray restarts the replica and the client sends to its new address.
 
+Last, a stage boundary: a reset gives the trainer rank a fresh optimizer on the current weights.
+
 About two and a half minutes on two cores."""
 
 import json
@@ -22,6 +24,7 @@ import time
 import urllib.request
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from tasks.data.problems import generate_problems
@@ -64,10 +67,14 @@ def runtime(model_dir, tmp_path_factory):
         2,
         **{
             "engines.kv_cache_gib": 0.01,
-            "rl.optim": {"lr": 1e-2, "warmup_steps": 0, "micro_batch_size": 4},
+            # lr x 1/3, 2/3, then 1: each step of a warm-up shows in the step's lr.
+            "rl.optim": {"lr": 1e-2, "warmup_steps": 2, "micro_batch_size": 4},
             "trainer.zero_stage": 1,
             "cluster.weight_sync": "gloo",
             "cluster.weight_sync_timeout_s": 120,
+            # A push whose group waits on an engine that died unnoticed gives up after this (60 s
+            # by default); a bucket here crosses in well under a second.
+            "cluster.weight_sync_bucket_timeout_s": 15,
             "sandbox.replicas": 2,
             "sandbox.cpus": 0.25,
             "sandbox.workers": 1,
@@ -221,3 +228,20 @@ def test_a_dead_sandbox_server_is_started_again_by_its_replica(runtime) -> None:
     answered_once_each(runtime, [pid_of(where, "sandbox", 1, "server_pid")])
     wait_for_replica(runtime, 1, None)
     runtime.started += started_pids(runtime.placement.where(30))
+
+
+def test_stage_boundary_reset_keeps_weights_and_drops_optimizer_state(runtime) -> None:
+    """A stage that resets the optimizer starts a fresh one from the current weights (its warm-up
+    starts over); the next stage without a reset continues it (its warm-up goes on)."""
+    samples = [Sample(list(range(3, 15 + i)), [0] * 4 + [1] * (8 + i), a) for i, a in enumerate([1.0, -1.0])]
+    (weights,) = runtime.trainer.parameters()
+    reset = runtime.policy_trainer(total_steps=5, reset_optimizer=True)
+    (restarted,) = reset.parameters()
+    assert restarted.keys() == weights.keys()
+    assert all(torch.equal(weights[name], tensor) for name, tensor in restarted.items())
+    fresh_lr = reset.rl_step(samples, runtime.cfg.rl.loss)["lr"]
+    kept = runtime.policy_trainer(total_steps=5, reset_optimizer=False)  # the next stage, no reset
+    continued_lr = kept.rl_step(samples, runtime.cfg.rl.loss)["lr"]
+    assert continued_lr > fresh_lr  # the same optimizer, one step further into its warm-up
+    again = runtime.policy_trainer(total_steps=5, reset_optimizer=True)
+    assert again.rl_step(samples, runtime.cfg.rl.loss)["lr"] == pytest.approx(fresh_lr)  # a fresh warm-up

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from tasks.config import LossConfig, OptimConfig, TinyModelConfig
 from tasks.data.problems import generate_problems
@@ -185,42 +184,6 @@ def test_importance_weights_read_the_samples_behaviour_log_probs(trainer, tmp_pa
     n = len(short[1].token_ids)
     with pytest.raises(ValueError, match=f"and sample 1 carries {n - 1} behaviour log-probs for {n} tokens"):
         fresh.rl_step(short, LossConfig(is_cap=1.5))
-
-
-@pytest.mark.slow
-def test_stage_boundary_reset_keeps_weights_and_drops_optimizer_state(trainer, tmp_path):
-    """Through the run's lifecycle object and its trainer rank actor: a stage without a reset
-    continues the optimizer (its warm-up goes on), a reset starts a fresh one from the current
-    weights (its warm-up starts over)."""
-    from tasks.config import default_config_path, load_config
-    from tasks.runtime import Runtime
-
-    model_dir = trainer.save_pretrained(tmp_path / "policy")
-    AutoTokenizer.from_pretrained(trainer.engine.module.config._name_or_path).save_pretrained(model_dir)
-    cfg = load_config(
-        default_config_path(),
-        {
-            "model.path": str(model_dir),
-            # lr x 1/3, 2/3, then 1: each step of a warm-up shows in the step's lr.
-            "rl.optim": {"lr": 1e-2, "warmup_steps": 2, "micro_batch_size": 2},
-            "trainer.zero_stage": 1,
-            "engines.kv_cache_gib": 0.01,
-            "cluster.startup_timeout_s": 180,
-        },
-    )
-    samples = _samples([1.0, -1.0])
-    with Runtime(cfg, model_dir, tmp_path / "run") as runtime:
-        first = runtime.policy_trainer(total_steps=5, reset_optimizer=False)
-        fresh_lr = first.rl_step(samples, LossConfig())["lr"]
-        kept = runtime.policy_trainer(total_steps=5, reset_optimizer=False)  # the next stage, no reset
-        continued_lr = kept.rl_step(samples, LossConfig())["lr"]
-        assert continued_lr > fresh_lr  # the same optimizer, one step further into its warm-up
-        (weights,) = runtime.trainer.parameters()
-        reset = runtime.policy_trainer(total_steps=5, reset_optimizer=True)
-        (restarted,) = reset.parameters()
-        assert restarted.keys() == weights.keys()
-        assert all(torch.equal(weights[name], tensor) for name, tensor in restarted.items())
-        assert reset.rl_step(samples, LossConfig())["lr"] == pytest.approx(fresh_lr)  # a fresh warm-up
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.slow  # starts engines or trains
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = Path(sys.executable).parent / "ray"
-STEPS = 8  # long enough for a killed engine to come back within the stage (it did at step 4-5)
+STEPS = 10  # long enough for a killed engine to come back within the stage (it did at step 4-5)
 
 
 def kill_sandbox_and_engine(run_dir: Path, rng: random.Random, log: list) -> None:
