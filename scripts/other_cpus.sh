@@ -14,12 +14,15 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 
 if [ $# -eq 0 ]; then
-    # Weights compared across rank counts, the loss against float64, the copy guard (the tiny
-    # model's drills until copying forms), the engine's log-probs against the trainer's.
+    # Weights compared across rank counts (and across a resume on another number of ranks), the
+    # loss against float64, the copy guard (the tiny model's drills until copying forms), the
+    # engines' log-probs against the trainer's (in process, and between the run's actors).
     set -- tests/test_loss.py \
         "tests/test_trainer_ranks.py::test_two_ranks_equal_one_rank_on_the_whole_batch" \
+        "tests/test_trainer_ranks.py::test_a_zero3_checkpoint_resumes_on_another_number_of_ranks_with_its_optimizer_state" \
         "tests/test_tiny_model.py::test_the_default_base_model_forms_copying_within_its_drill_budget" \
-        tests/test_weight_sync.py
+        tests/test_weight_sync.py \
+        "tests/test_actor_faults.py::test_every_engine_actor_follows_the_trainer_rank_over_either_backend"
 fi
 
 flags=$(grep -m1 '^flags' /proc/cpuinfo)

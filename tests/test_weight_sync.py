@@ -2,7 +2,7 @@
 equal the trainer's; before the sync they do not (so the check can fail). Between the run's actors
 (a trainer rank, two engine actors, over gloo and Ray's object store): tests/test_actor_faults.py.
 
-Run: .venv/bin/python -m pytest tests/test_weight_sync.py -q   (about two minutes)
+Run: .venv/bin/python -m pytest tests/test_weight_sync.py -q   (about a minute)
 """
 
 import pytest
