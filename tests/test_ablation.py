@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tasks.summary.mode_comparison import compare, write_report
-from tasks.summary.runs import DRAWN_SHARE, LUCKY_SHARE, RECOVERED_SHARE, RunResult, positive_shares
+from tasks.summary.runs import DRAWN_SHARE, LUCKY_SHARE, RECOVERED_SHARE, RunResult, paired_gain, positive_shares
 
 NAN = math.nan
 
@@ -66,6 +66,24 @@ def test_positive_shares_count_positives_with_any_failed_call_recovered_or_lucky
     assert shares[DRAWN_SHARE] == pytest.approx(2 / 4)
     assert shares[RECOVERED_SHARE] == pytest.approx(1 / 4) and shares[LUCKY_SHARE] == pytest.approx(1 / 4)
     assert all(math.isnan(v) for v in positive_shares(rows[2:3]).values())
+
+
+def test_a_paired_gain_carries_the_standard_error_of_the_evaluations_sampling() -> None:
+    def rows(rewards: dict[str, list[float]]) -> list[dict]:
+        return [{"problem_id": p, "reward": r} for p, samples in rewards.items() for r in samples]
+
+    before = rows({"a": [0, 0, 0, 0], "b": [1, 0, 0, 0], "c": [1, 1, 1, 1]})
+    after = rows({"a": [1, 1, 0, 0], "b": [1, 1, 1, 1], "c": [1, 1, 1, 1]})
+    gain, error = paired_gain(before, after)
+    assert gain == pytest.approx((0.5 + 0.75 + 0) / 3)
+    # sample variances over k: a after 1/3 / 4, b before 1/4 / 4; the rest draw one value
+    assert error == pytest.approx(math.sqrt(1 / 12 + 1 / 16) / 3)
+    # two evaluations of one policy: no gain, and both draws' error
+    assert paired_gain(after, after) == (0.0, pytest.approx(math.sqrt(2 / 12) / 3))
+    with pytest.raises(ValueError, match="different problems .* 1 in one only"):
+        paired_gain(before, rows({"a": [1, 1], "b": [1, 1]}))
+    with pytest.raises(ValueError, match="problem c has one sample"):
+        paired_gain(before, rows({"a": [1, 1], "b": [1, 1], "c": [1]}))
 
 
 def test_drawn_share_early_and_late_in_stage_1_and_its_reduction() -> None:

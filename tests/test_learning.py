@@ -13,21 +13,40 @@ import json
 
 import pytest
 
+from tasks.store.tables import partition, read_table
+from tasks.summary.runs import paired_gain
+
 pytestmark = pytest.mark.slow
 
 SFT_FLOOR = 0.15  # held-out pass@1 after SFT
-RL_GAIN_FLOOR = 0.10  # after the last RL stage, over SFT
+# RL's gain: the last stage's held-out pass@1 over SFT's, paired by problem (64 problems, 4
+# samples each). Seven runs of seed 2 from one SFT policy (0.492), on AVX-512 and AVX2 kernels,
+# gained +9.0 to +12.9 points, +11.0 +- 1.4 (LOG.md, the 2026-11-29 entry); the floor lies three
+# of those standard deviations below their mean (a floor of +10 failed two of the seven). The
+# gain must also stand 2.5 standard errors of the evaluations' sampling (1.7-2.5 points in
+# those runs) clear of zero: a policy RL left where SFT did scores within that of SFT.
+RL_GAIN_FLOOR = 0.06
+RL_GAIN_ERRORS = 2.5
 
 
 def test_the_default_run_learns_in_sft_and_in_rl(default_run):
     assert default_run.leftover_pids == []
     rows = {row["stage"]: row for row in json.loads((default_run.run_dir / "summary.json").read_text())["stages"]}
     sft = rows["sft"]["pass@1 after"]
-    last = rows[list(rows)[-1]]["pass@1 after"]
-    print(f"held-out pass@1: sft {sft:.3f}, after RL {last:.3f}")
+    last_stage = list(rows)[-1]
     summary = default_run.run_dir / "summary.md"
     assert sft >= SFT_FLOOR, f"SFT policy scored {sft:.3f} < {SFT_FLOOR} (summary: {summary})"
-    assert last >= sft + RL_GAIN_FLOOR, f"RL took pass@1 from {sft:.3f} to {last:.3f}, less than +{RL_GAIN_FLOOR}"
+    gain, error = paired_gain(*(evaluation_rollouts(default_run.run_dir, c) for c in ("sft", last_stage)))
+    last = rows[last_stage]["pass@1 after"]
+    print(f"held-out pass@1: sft {sft:.3f}, after RL {last:.3f}: {gain:+.3f} +- {error:.3f}")
+    assert gain >= max(RL_GAIN_FLOOR, RL_GAIN_ERRORS * error), (
+        f"RL took pass@1 from {sft:.3f} by {gain:+.3f} (standard error {error:.3f}), less than "
+        f"+{RL_GAIN_FLOOR} or {RL_GAIN_ERRORS} errors (summary: {summary})"
+    )
+
+
+def evaluation_rollouts(run_dir, checkpoint: str) -> list[dict]:
+    return read_table(partition(run_dir, "rollouts", stage=f"eval-{checkpoint}", step=0))
 
 
 # The base model's copying, checked on drills the check that ended them never saw: a base model

@@ -81,6 +81,31 @@ def positive_shares(rollouts: list[dict]) -> dict[str, float]:
     }
 
 
+def paired_gain(before: list[dict], after: list[dict]) -> tuple[float, float]:
+    """(gain, standard error) of pass@1 from one evaluation's rollouts to another's on the same
+    problems (rows with problem_id and reward, k >= 2 samples each). The error is that of the
+    evaluations' sampling alone, the policies held fixed: per problem the samples' variance over
+    k, summed over problems, over their count squared. Whether a gain is the policy's or the
+    draw's is then a question of how many errors it is."""
+    by_problem = []
+    for rows in (before, after):
+        rewards: dict[str, list[float]] = {}
+        for row in rows:
+            rewards.setdefault(row["problem_id"], []).append(row["reward"])
+        by_problem.append(rewards)
+    if by_problem[0].keys() != by_problem[1].keys():
+        raise ValueError(
+            f"the evaluations cover different problems ({len(by_problem[0])} and {len(by_problem[1])}, "
+            f"{len(by_problem[0].keys() ^ by_problem[1].keys())} in one only): a paired gain needs the same set"
+        )
+    if thin := [p for rewards in by_problem for p, r in rewards.items() if len(r) < 2]:
+        raise ValueError(f"problem {thin[0]} has one sample in an evaluation: its variance needs k >= 2")
+    problems = list(by_problem[0])
+    gain = statistics.fmean(statistics.fmean(by_problem[1][p]) - statistics.fmean(by_problem[0][p]) for p in problems)
+    variance = sum(statistics.variance(r[p]) / len(r[p]) for r in by_problem for p in problems)
+    return gain, math.sqrt(variance) / len(problems)
+
+
 def read_run(run_dir: Path, seed: int, mode: str, stage_names: list[str]) -> RunResult:
     """A finished run's held-out pass@1 per checkpoint and its RL step metrics, stage by stage."""
     pass_at_1 = {
