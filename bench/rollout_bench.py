@@ -18,16 +18,21 @@ start-up is not timed).
 rounds close the part.
 
 Part 2, scheduling: multi-turn agent rollouts (tool calls run in the run's sandbox replica) on
-two engine actors whose KV caches hold only a few full-length rollouts each, once per
-policy (static; KV-aware reserving full length, the paper's; KV-aware reserving 1.3 x the mean
-size of the previous run's rollouts), repeated `--repeats` times in alternation: makespan,
-engine idle fraction (time the engines spent outside a step), preemptions (vLLM evicting
-running rollouts from its KV cache, to recompute them later). The model for part 2 is the tiny
-model after a short tool-call SFT (so rollouts have mixed lengths and real tool turns); it is
-trained once and kept under `outputs/bench/rollout-model`.
+two engine actors whose KV caches hold only a few full-length rollouts each (or the default's
+stage-1 batch on its one engine, `--policy`), once per policy (static; KV-aware reserving full
+length, the paper's; KV-aware reserving 1.3 x the mean size of the previous run's rollouts),
+repeated `--repeats` times in alternation after an untimed warm-up batch: makespan, engine idle
+fraction (time the engines spent outside a step), preemptions (vLLM evicting running rollouts
+from its KV cache, to recompute them later), mean batch (requests in an engine at once, from
+the turn traces). The bench's models for part 2 are the tiny model after a short tool-call SFT
+(so rollouts have mixed lengths and real tool turns) and before it; they are trained once and
+kept under `outputs/bench/rollout-model`.
 
     .venv/bin/python bench/rollout_bench.py          # ~12 min on 2 cores, first time ~14 min (*)
     .venv/bin/python bench/rollout_bench.py --new-tokens 384 --repeats 0   # part 1 alone, at the stage budget
+    .venv/bin/python bench/rollout_bench.py --rounds 0 --repeats 3         # part 2 alone, ~7 min
+    .venv/bin/python bench/rollout_bench.py --rounds 0 --repeats 3 --policy outputs/runs/<run>/models/sft \
+        --engines 1 --kv-gib 0.25 --problems 16 --samples 16 --temperature 0.6   # a default stage-1 batch
     .venv/bin/python bench/rollout_bench.py --prompts 16 --new-tokens 16 --hf-batches 16 --rounds 1 \
         --passes 2 --problems 2 --samples 2 --max-response 64 --repeats 1   # does it run
 
@@ -245,24 +250,25 @@ POLICIES = {
 
 
 def scheduling(model_dir: Path, args: argparse.Namespace) -> dict[str, list]:
-    """Every policy on the same two engine actors, alternating; per run (times, response tokens,
-    mean turns)."""
+    """Every policy on the same engine actors, alternating after an untimed warm-up batch; per run
+    (times, response tokens, mean turns, mean batch)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     spec = RolloutSpec(
-        max_turns=4,
+        max_turns=args.max_turns,
         max_response_tokens=args.max_response,
-        temperature=1.0,
+        temperature=args.temperature,
         top_p=1.0,
         tool_name=TOOL,
         tool_response_chars=300,
         tool_spec="compact",
     )
-    problems = [(p.problem_id, p.question) for p in generate_problems(args.problems, [1, 2, 3], seed=11)]
+    kinds = load_config(default_config_path()).data.kinds
+    problems = [(p.problem_id, p.question) for p in generate_problems(args.problems, [1, 2, 3], seed=11, kinds=kinds)]
     overrides = {
         "engines.kv_cache_gib": args.kv_gib,
-        "engines.count": 2,
+        "engines.count": args.engines,
         "sandbox.workers": 2,
         "sandbox.program_timeout_s": 4.0,
     }
@@ -275,6 +281,9 @@ def scheduling(model_dir: Path, args: argparse.Namespace) -> dict[str, list]:
             f"paper KV-aware slots {[kv // (longest + args.max_response) for kv in pool.kv_tokens]}",
             flush=True,
         )
+        # Untimed: the first batch on fresh engines took 1.6-2.7x as long as the same policy's next
+        # ones (static 9.6 s, then 3.5 and 4.1), a cost of whichever policy went first.
+        run_rollouts(pool, tools, tokenizer, problems, args.samples, spec, "warm-up (untimed)")
         order = list(POLICIES)
         for repeat in range(args.repeats):
             for label in order if repeat % 2 == 0 else order[::-1]:
@@ -286,8 +295,15 @@ def scheduling(model_dir: Path, args: argparse.Namespace) -> dict[str, list]:
                 )
                 tokens = sum(len(t.response_ids) for t in trajectories)
                 turns = sum(t.turns for t in trajectories) / len(trajectories)
-                results[label].append((times, tokens, turns))
+                results[label].append((times, tokens, turns, mean_batch(trajectories, times.total_s, args.engines)))
     return results
+
+
+def mean_batch(trajectories, makespan_s: float, engines: int) -> float:
+    """Requests in an engine at once, averaged over the batch's makespan and the engines: each
+    turn counts from its request's send to its return (the turn traces)."""
+    busy = sum(t.ended_at - t.started_at for traj in trajectories for t in traj.turn_traces)
+    return busy / (makespan_s * engines)
 
 
 def main() -> None:
@@ -297,7 +313,7 @@ def main() -> None:
     parser.add_argument(
         "--hf-batches", default="64,128,256", help="part 1: HF micro-batch sizes to try each round; its best one counts"
     )
-    parser.add_argument("--rounds", type=int, default=3, help="part 1: rounds of every measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="part 1: rounds of every measurement; 0 skips part 1")
     parser.add_argument("--passes", type=int, default=4, help="part 1: batches through each pool, timed together")
     parser.add_argument("--sft-steps", type=int, default=60)
     parser.add_argument("--problems", type=int, default=16)
@@ -305,6 +321,15 @@ def main() -> None:
     parser.add_argument("--max-response", type=int, default=384)
     parser.add_argument("--kv-gib", type=float, default=0.004, help="KV cache per engine in part 2")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each policy in part 2; 0 skips part 2")
+    parser.add_argument("--engines", type=int, default=2, help="engine actors in part 2")
+    parser.add_argument("--max-turns", type=int, default=4, help="part 2")
+    parser.add_argument("--temperature", type=float, default=1.0, help="part 2")
+    parser.add_argument(
+        "--policy",
+        type=Path,
+        default=None,
+        help="part 2 on this policy alone (a run's models/<checkpoint>) instead of the bench's two models",
+    )
     args = parser.parse_args()
     configure_cpu_runtime()
     random.seed(0)
@@ -325,39 +350,47 @@ def main() -> None:
     hf_batches = [int(size) for size in args.hf_batches.split(",")]
     # One local Ray for every runtime of the bench (each one uses it as it is and leaves it running).
     with RayCluster(load_config(default_config_path(), BASE).cluster):
-        throughput(model_dir, batch, args.new_tokens, stop, args.rounds, args.passes, hf_batches)
+        if args.rounds:
+            throughput(model_dir, batch, args.new_tokens, stop, args.rounds, args.passes, hf_batches)
         if args.repeats:
             compare_schedulers(model_dir, args)
 
 
 def compare_schedulers(model_dir: Path, args: argparse.Namespace) -> None:
-    untrained = model_dir.with_name(model_dir.name + "-base")
-    for label, directory in (
-        ("tool-call SFT model: mixed lengths, real tool turns", model_dir),
-        ("untrained model: every turn runs to the budget", untrained),
-    ):
+    models = {
+        "tool-call SFT model: mixed lengths, real tool turns": model_dir,
+        "untrained model: every turn runs to the budget": model_dir.with_name(model_dir.name + "-base"),
+    }
+    if args.policy:
+        models = {f"policy {args.policy}": args.policy.resolve()}
+    for label, directory in models.items():
         print(
-            f"\nPart 2, {label}: {args.problems} problems x {args.samples} rollouts, up to 4 turns "
-            f"and {args.max_response} response tokens, 2 engine actors",
+            f"\nPart 2, {label}: {args.problems} problems x {args.samples} rollouts, up to {args.max_turns} "
+            f"turns and {args.max_response} response tokens at temperature {args.temperature}, {args.engines} "
+            f"engine actor(s) of {args.kv_gib} GiB KV",
             flush=True,
         )
         results = scheduling(directory, args)
         print(
             f"{'policy':<11} {'reserve':>7} {'makespan s':>11} {'idle':>6} {'preemptions':>11} {'tok/s':>7} "
-            f"{'turns':>6}"
+            f"{'turns':>6} {'batch':>6}"
         )
         for label, runs in results.items():
-            for times, tokens, turns in runs:
+            for times, tokens, turns, batch in runs:
                 reserve = times.kv_reserve_tokens if label != "static" else "-"
                 print(
                     f"{label:<11} {reserve:>7} {times.total_s:>11.1f} {times.engine_idle_fraction:>6.1%} "
-                    f"{times.preemptions:>11} {tokens / times.total_s:>7.0f} {turns:>6.2f}"
+                    f"{times.preemptions:>11} {tokens / times.total_s:>7.0f} {turns:>6.2f} {batch:>6.1f}"
                 )
-        mean = {p: sum(t.total_s for t, _, _ in r) / len(r) for p, r in results.items()}
+        mean = {p: statistics.fmean(t.total_s for t, *_ in r) for p, r in results.items()}
+        spread = {p: (min(t.total_s for t, *_ in r), max(t.total_s for t, *_ in r)) for p, r in results.items()}
+        low, high = spread["static"]
+        print(f"static makespan {mean['static']:.1f} s (range {low:.1f}-{high:.1f} over {args.repeats})")
         for label in ("kv_aware", "kv_observed"):
+            low, high = spread[label]
             print(
-                f"{label} makespan {1 - mean[label] / mean['static']:+.1%} vs static "
-                f"(positive: shorter; mean of {args.repeats} each)",
+                f"{label} makespan {mean[label]:.1f} s (range {low:.1f}-{high:.1f}): "
+                f"{1 - mean[label] / mean['static']:+.1%} vs static (positive: shorter; mean of {args.repeats} each)",
                 flush=True,
             )
 
