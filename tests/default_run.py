@@ -20,9 +20,9 @@ from tests.processes import placed_pids, wait_gone
 from tests.small_run import TINY, run_command
 
 RUN_ID = "default"
-# Base and SFT models are the same in every run of a seed, RL samples differ. Seed 2's RL gained
-# +9.0 to +12.9 points in seven runs (LOG.md, 2026-11-29); seed 0 (`make run`'s) has gained as
-# little as +3.6, under the learning test's RL floor.
+# Base and SFT models are the same in every run of a seed; evaluation and RL samples differ.
+# Seed 2's RL gained +9.0 to +14.8 points in eight runs (LOG.md, 2026-11-29 RL-gain entry);
+# seed 0 (`make run`'s) has gained as little as +3.6, under the learning test's RL floor.
 SEED = 2
 CREDENTIAL = "the-default-runs-sandbox-credential"  # the run uses $RSTAR2_SANDBOX_TOKEN where it is set
 

@@ -1,5 +1,5 @@
-"""A run killed anywhere resumes to what its config implies. The pipeline (under rl.async one_step)
-is SIGKILLed at seeded points and run again with the same run id after each:
+"""A run killed anywhere resumes to what its config implies. The pipeline (under rl.async one_step,
+or bounded) is SIGKILLed at seeded points and run again with the same run id after each:
 
 - The first attempt trains on 2 ranks and dies after stage 1's first checkpoint, while it draws
   the next step's rollouts ahead; the others resume on 1 rank, as on a cluster that lost a node:
@@ -16,8 +16,9 @@ evaluated on every benchmark (the base model's too, and a second benchmark in a 
 layout, JSONL), and MLflow step histories with each step once. From the second attempt on, the
 engine and the trainer rank run on cores of their own (split placement), as rl.async means to run.
 
-Two kill points are part of `make test` (the first, then one seeded moment); ten under the soak
-marker:
+Two kill points are part of `make test` (the first, then one seeded moment); ten, and four under
+rl.async bounded (rollouts drawn up to 2 versions ahead, kept and dropped by whole groups), under
+the soak marker:
 
     .venv/bin/python -m pytest -m soak tests/test_resume_pipeline.py -q -s
 """
@@ -34,6 +35,7 @@ import duckdb
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tasks.config.update import AsyncConfig
 from tasks.data.problems import generate_problems
 from tasks.store import inflight
 from tasks.tracking.mlflow_log import EXPERIMENT, tracking_uri
@@ -41,7 +43,7 @@ from tests.processes import descendants, placed_pids, wait_gone
 from tests.small_run import run_command, small_run, stage
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = {2: 3, 10: 10}  # kill points -> stage 1's steps: enough rollouts for every kill to land
+STEPS = {2: 3, 4: 6, 10: 10}  # kill points -> stage 1's steps: enough rollouts for every kill to land
 CHECKPOINTS = ["base", "sft", "stage1", "hard"]
 RUN = {
     "eval.base": True,
@@ -55,12 +57,12 @@ RUN = {
 TWO_RANKS = {"trainer.ranks": 2, "cluster.num_cpus": 4}
 
 
-def config(steps: int) -> dict:
+def config(steps: int, asynchrony: str) -> dict:
     stages = [stage("stage1", steps), stage("hard", 1, hard_only=True, difficulty_attempts=2, reset_optimizer=True)]
-    return {**small_run(stages), **RUN}
+    return {**small_run(stages), **RUN, "rl.async": {"mode": asynchrony}}
 
 
-def command(output_dir: Path, steps: int, placement: dict | None = None) -> list[str]:
+def command(output_dir: Path, steps: int, asynchrony: str, placement: dict | None = None) -> list[str]:
     # A benchmark in a public layout (JSONL, question/answer columns), from a disjoint seed.
     bench = output_dir / "mini-benchmark.jsonl"
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -71,7 +73,12 @@ def command(output_dir: Path, steps: int, placement: dict | None = None) -> list
         )
     )
     mini = {"name": "mini", "format": "jsonl", "path": str(bench), "problem": "question"}
-    overrides = {**config(steps), "output_dir": str(output_dir), "data.benchmarks": [mini], **(placement or {})}
+    overrides = {
+        **config(steps, asynchrony),
+        "output_dir": str(output_dir),
+        "data.benchmarks": [mini],
+        **(placement or {}),
+    }
     return run_command("resume", overrides)
 
 
@@ -126,9 +133,14 @@ def kept_since(run_dir: Path, since: float) -> int:
 
 
 @pytest.mark.parametrize(
-    "points", [pytest.param(2, marks=pytest.mark.slow), pytest.param(10, marks=[pytest.mark.slow, pytest.mark.soak])]
+    "points, asynchrony",
+    [
+        pytest.param(2, "one_step", marks=pytest.mark.slow),
+        pytest.param(10, "one_step", marks=[pytest.mark.slow, pytest.mark.soak]),
+        pytest.param(4, "bounded", marks=[pytest.mark.slow, pytest.mark.soak]),
+    ],
 )
-def test_a_run_killed_anywhere_resumes_to_what_its_config_implies(tmp_path, points, prefect_api) -> None:
+def test_a_run_killed_anywhere_resumes_to_what_its_config_implies(tmp_path, points, asynchrony, prefect_api) -> None:
     rng, steps = random.Random(points), STEPS[points]
     output, log_path = tmp_path, tmp_path / "run.log"
     run_dir = output / "runs" / "resume"
@@ -141,7 +153,7 @@ def test_a_run_killed_anywhere_resumes_to_what_its_config_implies(tmp_path, poin
             since, on_two_ranks = time.time(), not kills
             with log_path.open("ab") as log:
                 victim = subprocess.Popen(
-                    command(output, steps, TWO_RANKS if on_two_ranks else None),
+                    command(output, steps, asynchrony, TWO_RANKS if on_two_ranks else None),
                     cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 )  # fmt: skip
             k, delay = rng.randint(1, 4), rng.uniform(0, 1.5)
@@ -167,7 +179,12 @@ def test_a_run_killed_anywhere_resumes_to_what_its_config_implies(tmp_path, poin
         if victim.returncode is None or victim.returncode < 0:  # the last one was killed: finish the run
             with log_path.open("ab") as log:
                 done = subprocess.run(
-                    command(output, steps), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900
+                    command(output, steps, asynchrony),
+                    cwd=ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    timeout=900,
                 )
             assert done.returncode == 0, log_path.read_text()[-4000:]
         assert victim.returncode in (0, -signal.SIGKILL), log_path.read_text()[-4000:]
@@ -180,7 +197,7 @@ def test_a_run_killed_anywhere_resumes_to_what_its_config_implies(tmp_path, poin
     assert f"stage1: resuming at step 1 of {steps}" in text
     assert "checkpoint step-00000: saved by 2 ranks, loaded by 1 through DeepSpeed's universal format" in text
 
-    # No finished rollout drawn again, every (problem, sample) of every step once, one_step's lag.
+    # No finished rollout drawn again, every (problem, sample) of every step once, within the lag.
     rows = duckdb.sql(
         f"SELECT stage, step, problem_id, sample, response, generated_version, trained_version "
         f"FROM read_parquet('{run_dir}/rollouts/*/*/*.parquet', hive_partitioning = true) "
@@ -196,13 +213,18 @@ def test_a_run_killed_anywhere_resumes_to_what_its_config_implies(tmp_path, poin
     assert snapshots, "no kill found a finished rollout in flight"
     assert redrawn == []
     assert len(rows) == len(final)
-    assert all(trained - gen in (0, 1) for *_, gen, trained in rows)  # one_step: at most one version behind
+    limit = AsyncConfig(mode=asynchrony).staleness_limit  # one_step: one version behind at most; bounded: 2
+    assert all(0 <= trained - gen <= limit for *_, gen, trained in rows)
+    versions: dict[tuple, set[int]] = {}  # (stage, step, problem) -> the versions that drew its group
+    for name, step, problem, _, _, gen, _ in rows:
+        versions.setdefault((name, step, problem), set()).add(gen)
+    assert all(len(drawn_by) == 1 for drawn_by in versions.values())  # no group mixes policies
     assert sum(trained - gen for *_, gen, trained in rows) > 0  # and drawn ahead, at least once
     assert not (run_dir / "inflight").exists()
 
     # Every part an uninterrupted run writes, with all its rows, once: problems_per_step x 2G
     # rollouts per RL step, the held-out problems and the benchmark's x k per evaluation.
-    small = config(steps)
+    small = config(steps, asynchrony)
     heldout = duckdb.sql(f"SELECT count(*) FROM '{run_dir}/data/heldout.parquet'").fetchall()[0][0]
     drawn, k = 2 * 2 * small["rl.group_size"], small["eval.k"]
     assert table_parts(run_dir, "rollouts") == {
