@@ -1,11 +1,11 @@
 """The Prefect UI workflow for real: `scripts/services.sh start` starts a Prefect server, a worker
 and the MLflow UI on loopback and deploys prefect.yaml; the deployments are triggered with
-parameters through the API (what the UI's Custom run form sends) and must complete: the stage
-deployment runs the first RL stage of a new run; the pipeline deployment finishes that run (the
-first stage not redone), its driver SIGKILLed on the way: the run shows as Crashed (its heartbeats
-stop) and the UI's Retry resumes it; while it waits to be marked Crashed, the evaluate deployment
-evaluates a finished stage again with another k; `stop` ends every service. About 8 minutes on
-two cores."""
+parameters through the API (what the UI's Custom run form sends) and must complete. The stage
+deployment runs the first RL stage of a new run, its worker and driver SIGKILLed once the run's
+actors are up: the run shows as Crashed (its heartbeats stop) and the UI's Retry resumes it, what
+it had finished not done again; while it waits to be marked Crashed, the evaluate deployment
+evaluates the run's base model with another k; `stop` ends every service. About 5 minutes on two
+cores."""
 
 import os
 import signal
@@ -83,6 +83,7 @@ def test_pipeline_deployment_runs_from_the_api(tmp_path) -> None:
             "config": "configs/tiny.yaml",
             "run_id": "deployed",
             "overrides": {**SMALL, "output_dir": str(outputs)},
+            "stages": ["stage1"],
         }
         run_dir, worker_log = outputs / "runs" / "deployed", tmp_path / "services" / "prefect-worker.log"
         with (
@@ -94,18 +95,14 @@ def test_pipeline_deployment_runs_from_the_api(tmp_path) -> None:
             schema = deployment.parameter_openapi_schema["properties"]
             assert schema["config"]["type"] == "string" and deployment.parameters["config"] == "configs/tiny.yaml"
             assert schema["stages"]["anyOf"][0] == {"items": {"type": "string"}, "type": "array"}
-            _run_deployment(client, "rstar2-pipeline/tiny-stage", {**parameters, "stages": ["stage1"]}, worker_log)
-            assert sorted(p.name for p in (run_dir / "models").iterdir()) == ["base", "sft", "stage1"]
-            stage1_steps = (run_dir / "steps" / "stage=stage1" / "step=0" / "part-0.parquet").stat().st_mtime_ns
-            sft_done = (run_dir / "state" / "sft.json").stat().st_mtime_ns
-            # The pipeline deployment finishes the run. Its worker and driver are SIGKILLed once its
+            # The stage deployment's run of a new run. Its worker and driver are SIGKILLed once its
             # actors are up, as when their machine is lost: nothing reports the end, so the
             # heartbeats' automation marks the run Crashed; once a worker is back, the UI's Retry
             # resumes the run.
-            tiny = client.read_deployment_by_name("rstar2-pipeline/tiny")
-            placed_before = (run_dir / "placement.json").stat().st_mtime_ns
-            flow_run = client.create_flow_run_from_deployment(tiny.id, parameters=parameters)
-            wait_until(lambda: (run_dir / "placement.json").stat().st_mtime_ns > placed_before, "actors placed")
+            staged = client.read_deployment_by_name("rstar2-pipeline/tiny-stage")
+            flow_run = client.create_flow_run_from_deployment(staged.id, parameters=parameters)
+            wait_until(lambda: (run_dir / "placement.json").exists(), "actors placed")
+            base_done = (run_dir / "state" / "base.json").stat().st_mtime_ns
             driver, worker = _driver(flow_run.id), int((tmp_path / "services" / "prefect-worker.pid").read_text())
             os.kill(worker, signal.SIGKILL)
             os.kill(driver, signal.SIGKILL)
@@ -113,7 +110,7 @@ def test_pipeline_deployment_runs_from_the_api(tmp_path) -> None:
             killed_at = time.monotonic()
             assert not wait_gone(placed_pids(run_dir))  # its actors and sandboxes went with it
             # A worker is back at once; while the dead run waits to be marked Crashed, the
-            # evaluate deployment evaluates a finished stage again with another k.
+            # evaluate deployment evaluates its base model with another k.
             restarted = subprocess.run([str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=600)
             assert restarted.returncode == 0, restarted.stderr
             schema = client.read_deployment_by_name("rstar2-evaluate/evaluate").parameter_openapi_schema
@@ -123,8 +120,8 @@ def test_pipeline_deployment_runs_from_the_api(tmp_path) -> None:
                 "rstar2-evaluate/evaluate",
                 {
                     "run_id": "deployed",
-                    "checkpoint": "stage1",
-                    "label": "stage1-k4",
+                    "checkpoint": "base",
+                    "label": "base-k4",
                     "eval_overrides": {"k": 4},
                     "output_dir": str(outputs),
                 },
@@ -137,13 +134,13 @@ def test_pipeline_deployment_runs_from_the_api(tmp_path) -> None:
             resumed = _wait_state(client, flow_run.id, lambda s: s.is_final(), "retried run", 600)
             assert resumed.is_completed(), (resumed, worker_log.read_text()[-3000:])
             print(f"crashed {crash_s:.0f} s after its driver was killed")
-            # Neither the killed attempt nor the retry redid what the stage deployment had done.
-            assert (run_dir / "state" / "sft.json").stat().st_mtime_ns == sft_done
-            assert (run_dir / "steps" / "stage=stage1" / "step=0" / "part-0.parquet").stat().st_mtime_ns == stage1_steps
-            assert (run_dir / "models" / "stage2" / "config.json").exists()
+            # The retry did not redo what the killed attempt had finished, and ran the stage named.
+            assert (run_dir / "state" / "base.json").stat().st_mtime_ns == base_done
+            assert sorted(p.name for p in (run_dir / "models").iterdir()) == ["base", "sft", "stage1"]
+            assert (run_dir / "steps" / "stage=stage1" / "step=0" / "part-0.parquet").exists()
         assert (run_dir / "summary.json").exists()
-        evaluation = read_table(partition(run_dir, "evaluations", checkpoint="stage1-k4", benchmark="heldout"))
-        assert [(row["checkpoint"], row["k"], row["problems"]) for row in evaluation] == [("stage1-k4", 4, 4)]
+        evaluation = read_table(partition(run_dir, "evaluations", checkpoint="base-k4", benchmark="heldout"))
+        assert [(row["checkpoint"], row["k"], row["problems"]) for row in evaluation] == [("base-k4", 4, 4)]
     finally:
         stopped = subprocess.run([str(SCRIPT), "stop"], env=env, capture_output=True, text=True, timeout=120)
     assert stopped.returncode == 0, stopped.stderr

@@ -103,8 +103,10 @@ class ScriptedEngines:
         self.versions: dict[str, int] = {}  # request id -> the version its turn comes back with
         self.tokenizer, self.turns = tokenizer, turns
         self.finished: list[tuple[int, FinishedTurn]] = []
+        self.sent: list[str] = []  # request ids, in the order they came
 
     def add_request(self, engine: int, request_id: str, *_request) -> None:
+        self.sent.append(request_id)
         rollout, turn = map(int, request_id.split(":"))
         ids = self.tokenizer(self.turns[rollout][turn])["input_ids"]
         version = self.versions.get(request_id, self.weights_version)
@@ -194,6 +196,26 @@ def test_a_turn_drawn_by_other_weights_than_its_batch_began_with_stops_the_batch
         run_rollouts(engines, tools, tokenizer, [("p", "What is 6 * 7?")], 1, SPEC)
     assert str(raised.value) == "rollout p:0 turn 2: engine 0 drew it with weights version 1, its batch began with 0"
     assert engines.open_batches == 0
+
+
+def test_a_batch_whose_caller_fails_as_turns_come_back_sends_nothing_more(sandbox) -> None:
+    """The caller fails (rl.async: the update raised) while the engines hand back two turns whose
+    tool calls would go out next: neither call goes out, and no other turn (the loop asks before
+    anything starts, not once a round)."""
+    tokenizer = CharTokenizer()
+    engines = ScriptedEngines(tokenizer, [script(CALL_TURNS["final_bare_expression"], 0)] * 2)
+    failed, poll = [], engines.poll
+
+    def poll_as_the_step_fails(timeout: float | None) -> list[tuple[int, FinishedTurn]]:
+        failed.append(True)
+        return poll(timeout)
+
+    engines.poll = poll_as_the_step_fails
+    with ToolRunner([sandbox.url]) as tools:
+        problems = [("p", "What is 6 * 7?")]
+        ended, _ = run_rollouts(engines, tools, tokenizer, problems, 2, SPEC, abandon=lambda: bool(failed))
+        assert tools.submitted == 0
+    assert ended == [] and engines.sent == ["0:0", "1:0"] and engines.open_batches == 0
 
 
 @pytest.mark.parametrize("name", LOOKS_WRONG)

@@ -224,24 +224,44 @@ def test_a_batch_keeps_what_finished_before_and_ends_with_the_rollouts_in_flight
     assert all(len(t.response_ids) == len(t.loss_mask) == len(t.behaviour_logprobs) for t in after)
 
 
+@pytest.mark.parametrize("point", ["at_once", "turns_sent", "rollout_kept"])
 @pytest.mark.slow
-def test_a_step_that_fails_stops_its_drawing_ahead(model_dir, runtime, tmp_path) -> None:
-    """rl.async: the step's work fails while the engines draw the next step's rollouts. The error
-    leaves the step only once the drawing has stopped: no thread is left, the engines are idle at
-    once (a weight push is taken), and the next step's in-flight folder keeps only rollouts that
-    had finished, for the retry."""
+def test_a_step_that_fails_stops_its_drawing_ahead(model_dir, runtime, tmp_path, point) -> None:
+    """rl.async: the step's work fails while the engines draw the next step's rollouts: at once,
+    once turns are sent, or once a rollout drawn ahead is kept (this untrained model seldom calls
+    the tool: a failure as tool calls go out is test_roc_status.py's). The error leaves the step
+    only once the drawing has stopped, having sent no turn and no tool call since the failure: no
+    thread is left, the engines are idle at once (a weight push is taken), and the next step's
+    in-flight folder keeps only rollouts that had finished. The retry draws the rest of that step
+    and keeps those as they were: nothing lost, nothing drawn twice."""
     cfg = run_config(model_dir, 2, **{"rl.async.mode": "one_step", "rl.loss.is_cap": 2.0, "rl.group_size": 2})
     stage = cfg.rl.stages[0].model_copy(update={"steps": 2})
     ctx = RunContext("ahead", tmp_path, "", tmp_path)
     folder = inflight.step_folder(tmp_path, stage.name, 1)
     problems = generate_problems(4, [1], seed=11)
-    with pytest.raises(RuntimeError, match="the update failed"), RollingAhead(runtime, ctx, cfg, stage, 0, problems):
-        wait_until(lambda: any(folder.glob("*.json")), "a rollout drawn ahead", 300)
+    step_size = stage.problems_per_step * cfg.rl.rollouts_per_problem
+    sent = runtime.engines.requests
+    reached = {
+        "at_once": lambda: True,
+        "turns_sent": lambda: runtime.engines.requests > sent,
+        "rollout_kept": lambda: any(folder.glob("*.json")),
+    }[point]
+    ahead = RollingAhead(runtime, ctx, cfg, stage, 0, problems)
+    with pytest.raises(RuntimeError, match="the update failed"), ahead:
+        wait_until(reached, point, 300)
         raise RuntimeError("the update failed")
+    assert ahead.started_after_failure == {"turns": 0, "tool calls": 0}
     assert not [t for t in threading.enumerate() if t.name.startswith("roll-ahead-")]
     runtime.engines.load_from_dir(model_dir, 60)
     kept = inflight.finished(folder)
-    assert 0 < len(kept) < 16 and all(t.stop_reason and t.policy_version == 0 for t in kept.values())
+    assert len(kept) < step_size and all(t.stop_reason and t.policy_version == 0 for t in kept.values())
+
+    # The retry: the step again from the same checkpoint, its drawing ahead not interrupted.
+    with RollingAhead(runtime, ctx, cfg, stage, 0, problems) as again:
+        drawn = again.finish()["rollouts_ahead"]
+    after = inflight.finished(folder)
+    assert sorted(after) == list(range(step_size)) and drawn == step_size - len(kept)
+    assert all(after[i].response_ids == t.response_ids for i, t in kept.items())
 
 
 @pytest.mark.slow

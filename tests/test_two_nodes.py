@@ -1,18 +1,19 @@
-"""Two Ray nodes on one machine: a "GPU" node (custom resource gpu_node) holding 2 trainer ranks
-and 2 engines, and a "CPU" node (cpu_node) holding 2 sandbox replicas. A short pipeline (one RL
-stage of 2 steps) runs on them, on 127.0.0.1 only, with faults injected into the real processes at
-seeded moments. Each run is checked against what its config implies (tables: the schemas the
-store declares, every part once with all its rows, every group whole; MLflow step histories with
-each step once); a one-node local Ray with 2 ranks is tests/test_resume_pipeline.py's, a dead
-engine and sandbox replica tests/test_two_hosts.py's:
+"""Two Ray nodes on one machine: a "GPU" node (custom resource gpu_node) holding the 2 trainer
+ranks, a CPU node (cpu_node) and an engine node (engine_node) that only the 2 engines may use, the 2
+sandbox replicas free to live on any node. A short pipeline (one RL stage of 4 steps) runs on them,
+on 127.0.0.1 only, with faults injected into the real processes at seeded moments, and is checked
+against what its config implies (tables: the schemas the store declares, every part once with all
+its rows, every group whole; MLflow step histories with each step once); a one-node local Ray with
+2 ranks is tests/test_resume_pipeline.py's, roles placed by host and a dead engine and sandbox
+replica tests/test_two_hosts.py's:
 - a trainer rank SIGKILLed in step 1's update: the attempt fails naming the rank, and Prefect's
   retry goes on from step 0's checkpoint;
-- nodes lost, in one run whose engines only an engine node can hold and whose sandboxes may live
-  anywhere: the CPU node removed after step 0, its sandbox replicas come back on the node that is
-  left within the attempt; the engine node removed after step 1, the run stops with the plan's
-  error, and once a node is back, the same run id goes on from step 1's checkpoint.
+- the CPU node removed after step 1: its sandbox replicas come back on a node that is left within
+  the attempt;
+- the engine node removed after step 2: the run stops with the plan's error, and once a node is
+  back, the same run id goes on from step 2's checkpoint.
 
-Run: .venv/bin/python -m pytest tests/test_two_nodes.py -q   (about 5 minutes on 2 cores)
+Run: .venv/bin/python -m pytest tests/test_two_nodes.py -q   (about 3 minutes on 2 cores)
 """
 
 import asyncio
@@ -46,25 +47,23 @@ CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 ACTORS = {
     "trainer.ranks": 2,
     "trainer.cpus": 1,
+    "trainer.resources": {"gpu_node": 1},
     "engines.count": 2,
     "engines.cpus": 0.5,
+    "engines.resources": {"engine_node": 1},
     "sandbox.replicas": 2,
     "sandbox.cpus": 0.5,
     "sandbox.workers": 1,
+    "cluster.flow_retries": 2,  # the rank's death, then the engine node's
 }
-NODES_LOST_STEPS = 3  # the engine node goes after step 1: a step is left to fail
-ON_NODES = {
-    "trainer.resources": {"gpu_node": 1},
-    "engines.resources": {"gpu_node": 1},
-    "sandbox.resources": {"cpu_node": 1},
-}
+STEPS = 4  # the engine node goes after step 2: a step is left to fail
 
 
-def overrides(output_dir: Path, steps: int = 2) -> dict:
+def overrides(output_dir: Path) -> dict:
     # The small run's policy solves nothing yet: groups without signal still make an update (of
     # zero advantages), so that every step trains, checkpoints and syncs.
     return {
-        **small_run([stage("stage1", steps)]),
+        **small_run([stage("stage1", STEPS)]),
         "output_dir": str(output_dir),
         "eval.base": False,
         "rl.roc.drop_zero_signal": False,
@@ -86,8 +85,11 @@ def step_done(run_dir: Path, step: int) -> Path:
     return run_dir / "steps" / "stage=stage1" / f"step={step}" / "part-0.parquet"
 
 
-def kill_rank(run_dir: Path, rng: random.Random, log: list) -> None:
-    """Trainer rank 1 in step 1's update (once step 0 is recorded, the rank's next busy spell)."""
+def faults(cluster: Cluster, cpu_node, engine_node, run_dir: Path, log: list, moved: list) -> None:
+    """Trainer rank 1 in step 1's update (once step 0 is recorded, the rank's next busy spell); the
+    CPU node once the retry has recorded step 1, and the engine node once the moved sandbox
+    replicas are back and step 2 is recorded."""
+    rng = random.Random(run_dir.name)
     rank = placed(run_dir, "trainer", 1)["pid"]
     wait_for(step_done(run_dir, 0))
     wait_busy(rank)
@@ -95,62 +97,41 @@ def kill_rank(run_dir: Path, rng: random.Random, log: list) -> None:
     os.kill(rank, signal.SIGKILL)
     log.append("trainer 1")
 
+    def restarted(index: int) -> bool:  # started by both attempts, then once more
+        return (run_dir / "logs" / f"sandbox-{index}.log").read_text().count("sandbox on http") == 3
 
-def run_with(fault, run_id: str, on_cluster: dict, root: Path, *args) -> tuple[Path, list]:
-    """The pipeline, with `fault` (run_dir, rng, log, after *args) injected from a thread."""
-    log: list = []
-    run_dir = root / "runs" / run_id
-    injector = threading.Thread(target=fault, args=(*args, run_dir, random.Random(run_id), log), daemon=True)
-    injector.start()
-    before = asyncio.run(retried())
-    pipeline(config=str(CONFIG), run_id=run_id, overrides=on_cluster)
-    attempts = attempts_since(before)
-    injector.join(timeout=10)
-    return run_dir, log + attempts
+    wait_for(step_done(run_dir, 1))
+    time.sleep(rng.uniform(0, 1.0))
+    actors = json.loads((run_dir / "placement.json").read_text())["actors"]
+    moved.extend(a["index"] for a in actors if a["role"] == "sandbox" and a["node_id"] == cpu_node.node_id)
+    cluster.remove_node(cpu_node)
+    log.append("CPU node removed")
+    wait_until(lambda: all(restarted(index) for index in moved), "the lost replicas restarted", 300)
+    wait_for(step_done(run_dir, 2))
+    time.sleep(rng.uniform(0, 0.3))
+    cluster.remove_node(engine_node)
+    log.append("engine node removed")
 
 
-def nodes_lost(cluster: Cluster, cpu_node, on_cluster: dict, root: Path) -> tuple[Path, list, list[int]]:
-    """Sandboxes that may live on any node, engines that only an engine node can hold, 3 steps.
-    Once step 0 is recorded the CPU node goes; once its sandbox replicas are back on the node
-    that is left and step 1 is recorded, the engine node goes: the attempt fails (every engine
-    gone), its retry cannot place them and the run stops with the plan's error. Run again with
-    the same id once a node is back, it goes on from step 1's checkpoint. Returns the run folder,
-    what happened, and the replicas that were on the CPU node."""
-    settings = {**on_cluster, **overrides(root, NODES_LOST_STEPS), "sandbox.resources": {}}
-    settings["engines.resources"] = {"engine_node": 1}
+def run_with_faults(cluster: Cluster, cpu_node, settings: dict, root: Path) -> tuple[Path, list, list[int]]:
+    """The run, its faults injected from a thread: its attempts fail (the rank's death, then every
+    engine gone), the last retry cannot place the engines and the run stops with the plan's error.
+    Run again with the same id once an engine node is back, it goes on from step 2's checkpoint.
+    Returns the run folder, what happened, and the replicas that were on the CPU node."""
     run_dir, log, moved = root / "runs" / "nodes-lost", [], []
     engine_node = cluster.add_node(num_cpus=1, resources={"engine_node": 2})
-    rng = random.Random("nodes-lost")
-
-    def restarted(index: int) -> bool:
-        return (run_dir / "logs" / f"sandbox-{index}.log").read_text().count("sandbox on http") == 2
-
-    def remove_both() -> None:
-        wait_for(step_done(run_dir, 0))
-        time.sleep(rng.uniform(0, 1.0))
-        cpu_id = cpu_node.node_id
-        actors = json.loads((run_dir / "placement.json").read_text())["actors"]
-        moved.extend(a["index"] for a in actors if a["role"] == "sandbox" and a["node_id"] == cpu_id)
-        cluster.remove_node(cpu_node)
-        log.append("CPU node removed")
-        wait_until(lambda: all(restarted(index) for index in moved), "the lost replicas restarted", 300)
-        wait_for(step_done(run_dir, 1))
-        time.sleep(rng.uniform(0, 0.3))
-        cluster.remove_node(engine_node)
-        log.append("engine node removed")
-
-    injector = threading.Thread(target=remove_both, daemon=True)
+    injector = threading.Thread(target=faults, args=(cluster, cpu_node, engine_node, run_dir, log, moved), daemon=True)
     injector.start()
     before = asyncio.run(retried())
     try:
-        pipeline(config=str(CONFIG), run_id="nodes-lost", overrides=settings)
+        pipeline(config=str(CONFIG), run_id=run_dir.name, overrides=settings)
         stopped = "the run did not stop"
     except Exception as error:
         stopped = f"{type(error).__name__}: {error}"
     log += attempts_since(before)
     injector.join(timeout=10)
     cluster.add_node(num_cpus=1, resources={"engine_node": 2})
-    pipeline(config=str(CONFIG), run_id="nodes-lost", overrides=settings)
+    pipeline(config=str(CONFIG), run_id=run_dir.name, overrides=settings)
     return run_dir, [*log, stopped], moved
 
 
@@ -177,7 +158,6 @@ def runs(tmp_path_factory, prefect_api):
     root = tmp_path_factory.mktemp("two-nodes")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"gpu_node": 4}})
     cpu_node = cluster.add_node(num_cpus=2, resources={"cpu_node": 2})
-    faults = {}
     try:
         ray.init(address=cluster.address)
         nodes = {("gpu" if "gpu_node" in n["Resources"] else "cpu"): n for n in ray.nodes() if n["Alive"]}
@@ -190,43 +170,34 @@ def runs(tmp_path_factory, prefect_api):
             for processes in node.all_processes.values()
             for info in processes
         ]
-        on_cluster = {**overrides(root), **ON_NODES, "cluster.address": cluster.address}
-        faults["rank"] = run_with(kill_rank, "two-nodes", on_cluster, root)
+        head_pids = [info.process.pid for processes in cluster.head_node.all_processes.values() for info in processes]
+        settings = {**overrides(root), "cluster.address": cluster.address}
+        run_dir, log, moved = run_with_faults(cluster, cpu_node, settings, root)
         assert not ray.is_initialized()  # the run disconnected; the cluster is still up
-        assert all(alive(pid) for pid in ray_pids)
-        faults["nodes"] = nodes_lost(cluster, cpu_node, on_cluster, root)
+        assert head_pids and all(alive(pid) for pid in head_pids)
     finally:
         cluster.shutdown()
     return {
-        "two": faults["rank"][0],
+        "run_dir": run_dir,
+        "log": log,
+        "moved": moved,
         "node_ids": node_ids,
         "addresses": addresses,
         "ray_pids": ray_pids,
-        "faults": faults,
     }
 
 
-def test_each_actor_ran_on_the_node_its_resources_name(runs):
-    placement = json.loads((runs["two"] / "placement.json").read_text())["actors"]
-    where = {(a["role"], a["index"]): a["node_id"] for a in placement}
-    assert sorted(where) == sorted((role, i) for role in ("trainer", "engine", "sandbox") for i in range(2))
-    for (role, _), node in where.items():
-        assert node == runs["node_ids"]["cpu" if role == "sandbox" else "gpu"], (role, node)
-    assert runs["addresses"] == {"127.0.0.1"}
-    assert all(a["url"].startswith("http://127.0.0.1:") for a in placement if a["role"] == "sandbox")
-
-
 def test_ranks_agree_and_engines_follow_the_trainer_after_every_step(runs):
-    metrics = {(r["step"], r["metric"]): r["value"] for r in rows(runs["two"], "steps")}
-    for step in (0, 1):
+    metrics = {(r["step"], r["metric"]): r["value"] for r in rows(runs["run_dir"], "steps")}
+    for step in range(STEPS):
         # Exact: every rank applies the same all-reduced gradient with the same Adam arithmetic
         assert metrics[(step, "rank_weight_spread")] == 0.0, step
         assert metrics[(step, "sync_logprob_gap")] < 2e-3, step  # fp32 in vLLM vs torch: test_weight_sync's TOLERANCE
     # SFT's steps move the weights (RL's zero advantages do not): the ranks agree after each one.
-    client = MlflowClient(tracking_uri(runs["two"].parents[1]))
+    client = MlflowClient(tracking_uri(runs["run_dir"].parents[1]))
     experiment = client.get_experiment_by_name(EXPERIMENT)
     sft = client.search_runs(
-        [experiment.experiment_id], "tags.`rstar2.run_id` = 'two-nodes' and tags.`rstar2.stage` = 'sft'"
+        [experiment.experiment_id], "tags.`rstar2.run_id` = 'nodes-lost' and tags.`rstar2.stage` = 'sft'"
     )
     spread = client.get_metric_history(sft[0].info.run_id, "sft/rank_weight_spread")
     losses = client.get_metric_history(sft[0].info.run_id, "sft/loss")
@@ -235,7 +206,7 @@ def test_ranks_agree_and_engines_follow_the_trainer_after_every_step(runs):
 
 def test_tables_have_the_declared_schemas(runs):
     for table, schema in (("rollouts", store.ROLLOUTS), ("steps", store.STEPS)):
-        parts = sorted((runs["two"] / table).rglob("*.parquet"))
+        parts = sorted((runs["run_dir"] / table).rglob("*.parquet"))
         assert parts and all(pq.read_schema(p).remove_metadata().equals(schema) for p in parts), table
 
 
@@ -247,7 +218,7 @@ def step_metric(run_dir: Path, metric: str) -> dict[int, float]:
     return {r["step"]: r["value"] for r in rows(run_dir, "steps") if r["metric"] == metric}
 
 
-def assert_as_config_implies(run_dir: Path, steps: int = 2) -> None:
+def assert_as_config_implies(run_dir: Path, steps: int = STEPS) -> None:
     """Every part an uninterrupted run of `steps` RL steps writes, once, with all its rows and
     every group whole: problems x 2G per RL step, the held-out problems x k per evaluated
     checkpoint; each RL step recorded, and in MLflow once."""
@@ -274,34 +245,33 @@ def assert_as_config_implies(run_dir: Path, steps: int = 2) -> None:
 
 
 def test_a_dead_trainer_rank_costs_a_retry_from_the_last_checkpoint(runs):
-    run_dir, log = runs["faults"]["rank"]
-    assert log[0] == "trainer 1" and len(log) == 2, log  # one failed attempt, then a retry that finished
-    assert "RankDied: trainer rank 1 on node " in log[1] and "(127.0.0.1)" in log[1], log[1]
-    assert_as_config_implies(run_dir)
+    log = runs["log"]
+    assert log[:3] == ["trainer 1", "CPU node removed", "engine node removed"], log
+    assert "RankDied: trainer rank 1 on node " in log[3] and "(127.0.0.1)" in log[3], log[3]
 
 
 def test_a_lost_node_costs_its_actors_a_move(runs):
-    run_dir, log, moved = runs["faults"]["nodes"]
-    assert log[0] == "CPU node removed" and log[1] == "engine node removed", log  # no failed attempt between
+    run_dir, moved = runs["run_dir"], runs["moved"]
+    assert "every engine is gone" in runs["log"][4], runs["log"]  # no failed attempt for the CPU node
     assert moved, "no replica was on the node that went"
-    for index in range(2):  # the moved ones came back within the attempt; the run again started each
+    for index in range(2):  # each attempt that placed actors started each; the moved ones once more
         restarts = (run_dir / "logs" / f"sandbox-{index}.log").read_text().count("sandbox on http")
-        assert restarts == (3 if index in moved else 2), (index, moved, restarts)
+        assert restarts == (4 if index in moved else 3), (index, moved, restarts)
     actors = json.loads((run_dir / "placement.json").read_text())["actors"]
     where = {(a["role"], a["index"]): a["node_id"] for a in actors}
+    assert all(where[("trainer", i)] == runs["node_ids"]["gpu"] for i in range(2)), where
     assert all(where[("sandbox", i)] == runs["node_ids"]["gpu"] for i in range(2)), where  # the node that is left
     assert all(where[("engine", i)] not in runs["node_ids"].values() for i in range(2)), where  # the new engine node
+    assert runs["addresses"] == {"127.0.0.1"}
+    assert all(a["url"].startswith("http://127.0.0.1:") for a in actors if a["role"] == "sandbox")
 
 
 def test_a_node_lost_for_good_stops_the_run_until_it_is_back(runs):
-    run_dir, log, _ = runs["faults"]["nodes"]
-    assert len(log) == 4, log
-    assert "every engine is gone" in log[2], log[2]  # the attempt that lost them; its retry:
-    assert log[3].startswith("PlanError: ") and "engine_node" in log[3], log[3]
-    assert_as_config_implies(run_dir, NODES_LOST_STEPS)
+    log = runs["log"]
+    assert len(log) == 6, log
+    assert log[5].startswith("PlanError: ") and "engine_node" in log[5], log[5]
+    assert_as_config_implies(runs["run_dir"])
 
 
 def test_nothing_it_started_is_left_running(runs):
-    runs_dirs = [run_dir for run_dir, *_ in runs["faults"].values()]
-    pids = [pid for run_dir in runs_dirs for pid in placed_pids(run_dir)] + runs["ray_pids"]
-    assert wait_gone(pids) == []
+    assert wait_gone(placed_pids(runs["run_dir"]) + runs["ray_pids"]) == []

@@ -195,6 +195,7 @@ class EngineGroup:
         self._gone: set[int] = set()  # dead engines Ray will not bring back
         self._last_stats: list[dict] = [{"busy_s": 0.0, "preemptions": 0} for _ in actors]
         self.calls = 0  # actor calls made while generating (adds and takes): what a batch costs in calls
+        self.requests = 0  # requests (turns) sent to engines so far
         self.deaths = self.restarts = 0
         # The version of the weights the serving engines hold: 0, those they started from; each
         # load or push makes the next. The engines stamp it on every turn they finish.
@@ -227,6 +228,7 @@ class EngineGroup:
         """Queue a request for engine `engine` (arguments as Engine.add_request takes them); it
         goes out with the others at the next poll."""
         self._to_add[engine].append(request)
+        self.requests += 1
 
     def _flush(self) -> None:
         for engine, requests in enumerate(self._to_add):

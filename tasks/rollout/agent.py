@@ -126,8 +126,10 @@ class _Batch:
         version: int = 0,
         finished: dict[int, Trajectory] | None = None,
         on_finish: Callable[[int, Trajectory], None] | None = None,
+        abandon: Callable[[], bool] | None = None,
     ):
         self.engines, self.tools, self.tokenizer, self.spec = engines, tools, tokenizer, spec
+        self.abandon_asked = abandon
         self.weights_version = engines.weights_version  # every turn of the batch is drawn by these
         self.times = RolloutTimes()
         self.tool_call_close = tokenizer.convert_tokens_to_ids(TOOL_CALL_CLOSE)
@@ -193,12 +195,19 @@ class _Batch:
         self.closed = self.abandoned = True
         self.pending_tools.clear()
 
+    def abandoning(self) -> bool:
+        """Asked right before anything starts, not once a round: a round can wait on a turn for
+        seconds, and nothing may start once the caller has failed."""
+        if not self.abandoned and self.abandon_asked is not None and self.abandon_asked():
+            self.abandon()
+        return self.abandoned
+
     # -- admission -----------------------------------------------------------------------------
 
     def admit(self) -> None:
         """Start what the scheduler allows now: at the start, and as soon as rollouts end; once
         the batch is closed, only the rest of the groups already started."""
-        if self.abandoned:
+        if self.abandoning():
             return
         started = (lambda index: index // self.group_size in self.started_groups) if self.closed else None
         for index, engine in self.scheduler.admit(started):
@@ -224,6 +233,8 @@ class _Batch:
             limit = min(spec.max_response_tokens, self.max_model_len - len(traj.prompt_ids))
             traj.truncate(limit)
             self.end_rollout(index)
+            return
+        if self.abandoning():
             return
         self.sent_at[index] = time.time()
         self.engines.add_request(
@@ -261,7 +272,7 @@ class _Batch:
         for engine, turn in turns:
             index = int(turn.request_id.split(":")[0])
             self.generating.discard(index)
-            if self.abandoned:
+            if self.abandoning():
                 continue
             traj = self.trajectories[index]
             if turn.weights_version != self.weights_version:
@@ -280,7 +291,7 @@ class _Batch:
                 future = Future()
                 future.set_result(ToolResult(status=ToolStatus.PARSE_ERROR, stderr=str(action)))
                 self.pending_tools[index] = (future, time.perf_counter())
-            else:
+            elif not self.abandoning():
                 self.pending_tools[index] = (self.tools.submit(action.code, action.stdin), time.perf_counter())
 
     @staticmethod
@@ -293,6 +304,8 @@ class _Batch:
     def answer_tools(self) -> None:
         """Each answered tool call goes into its rollout, whose next turn is submitted."""
         for index in [i for i, (f, _) in self.pending_tools.items() if f.done()]:
+            if self.abandoning():  # the calls it waited on are dropped with it
+                return
             future, sent_at = self.pending_tools.pop(index)
             result: ToolResult = future.result()
             traj = self.trajectories[index]
@@ -349,15 +362,15 @@ def run_rollouts(
     started = time.perf_counter()
     busy_before = engines.stats()
     retried_before = tools.client.retried
-    batch = _Batch(engines, tools, tokenizer, problems, samples_per_problem, spec, version, finished, on_finish)
+    batch = _Batch(
+        engines, tools, tokenizer, problems, samples_per_problem, spec, version, finished, on_finish, abandon
+    )
     engines.open_batches += 1
     try:
         with tqdm(total=len(batch.trajectories), initial=batch.finished, desc=desc, leave=False, disable=None) as bar:
             while not batch.done:
                 finished = batch.finished
                 batch.closed = batch.closed or (stop is not None and stop())
-                if abandon is not None and not batch.abandoned and abandon():
-                    batch.abandon()
                 batch.admit()
                 batch.end_turns(batch.next_turns())
                 for engine in engines.failed():

@@ -153,6 +153,9 @@ class RollingAhead:
         self._step_done, self._step_failed = threading.Event(), threading.Event()
         self._metrics: dict = {}
         self._error: BaseException | None = None
+        # Turns and tool calls the driver has sent: none may go out once the step has failed.
+        self._sent = lambda: {"turns": runtime.engines.requests, "tool calls": runtime.tools.submitted}
+        self.started_after_failure: dict[str, int] | None = None  # set by abandon
 
         def draw() -> None:
             try:
@@ -196,8 +199,13 @@ class RollingAhead:
         self._step_done.set()
         if self._thread is None:
             return
+        failed_at, sent = time.perf_counter(), self._sent()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             print(f"drawing ahead still waits on its engines {timeout_s:.0f} s after the step failed")
+        self.started_after_failure = {what: n - sent[what] for what, n in self._sent().items()}
+        started = ", ".join(f"{n} {what}" for what, n in self.started_after_failure.items())
+        waited = time.perf_counter() - failed_at
+        print(f"drawing ahead stopped {waited:.1f} s after the step failed, having started since: {started}")
         if self._error is not None:
             print("drawing ahead failed too:\n" + "".join(traceback.format_exception(self._error)))

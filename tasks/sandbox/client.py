@@ -232,8 +232,10 @@ class ToolRunner:
         self._thread = threading.Thread(target=self._loop.run_forever, name="tool-runner", daemon=True)
         self._thread.start()
         self.client = SandboxClient(urls, resolve=resolve, outage_timeout_s=outage_timeout_s, token=token)
+        self.submitted = 0  # tool calls sent so far
 
     def submit(self, code: str, stdin: str) -> Future:
+        self.submitted += 1
         return asyncio.run_coroutine_threadsafe(self.client.execute(code, stdin), self._loop)
 
     def close(self) -> None:
