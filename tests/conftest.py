@@ -43,33 +43,14 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(cfg, corpus, seed=0, out_dir=tmp_path_factory.mktemp("model"))
 
 
-def pytest_collection_modifyitems(config, items) -> None:
-    """The tests that read the default run go last: it runs beside the others meanwhile."""
-    items.sort(key=lambda item: "default_run" in item.fixturenames)  # stable: file order otherwise
-
-
-@pytest.fixture(scope="session", autouse=True)
-def default_run_in_background(request, tmp_path_factory):
-    """The default run (tests/default_run.py), started as the session begins where a selected test
-    reads it and no finished one is named; stopped at the end if the session ends first."""
-    from tests.default_run import BackgroundRun
-
-    if os.environ.get("RSTAR2_DEFAULT_RUN") or not any("default_run" in i.fixturenames for i in request.session.items):
-        yield None
-        return
-    run = BackgroundRun(tmp_path_factory.mktemp("default-run"))
-    yield run
-    run.stop()
-
-
 @pytest.fixture(scope="session")
-def default_run(default_run_in_background):
-    """The default config's whole run at a fixed seed, shared by the tests that only read its
-    outputs."""
+def default_run(tmp_path_factory, request):
+    """The default config's whole run at a fixed seed (tests/default_run.py), shared by the tests
+    that only read its outputs."""
     from pathlib import Path
 
-    from tests.default_run import finished_default
+    from tests.default_run import finished_default, run_default
 
     if finished := os.environ.get("RSTAR2_DEFAULT_RUN"):
         return finished_default(Path(finished))
-    return default_run_in_background.result()
+    return run_default(tmp_path_factory.mktemp("default-run"), request.getfixturevalue("prefect_api"))
