@@ -7,6 +7,10 @@ or bounded) is SIGKILLed at seeded points and run again with the same run id aft
 - Each later kill point is the k-th rollout an attempt keeps (k seeded), then a seeded moment
   more, so kills land in a step's own rollouts, in the rollouts drawn ahead during an update, in
   the update, the checkpoint and the weight push.
+- In `make test`'s case the attempt after the driver's kill loses its trainer rank instead: the
+  rank's process is SIGKILLed in a step's update while the next step's rollouts are drawn ahead.
+  The step fails, its drawing ahead stops before any other turn or tool call goes out, and
+  Prefect's flow retry (cluster.flow_retries) finishes the run with new actors.
 
 Each rollout is kept as it finishes (tasks/store/inflight.py). After every kill the test reads
 what the dead attempt had kept; the finished run must hold each of those rollouts unchanged (the
@@ -16,7 +20,7 @@ evaluated on every benchmark (the base model's too, and a second benchmark in a 
 layout, JSONL), and MLflow step histories with each step once. From the second attempt on, the
 engine and the trainer rank run on cores of their own (split placement), as rl.async means to run.
 
-Two kill points are part of `make test` (the first, then one seeded moment); ten, and four under
+The first kill point and the rank's death are part of `make test`; ten kill points, and four under
 rl.async bounded (rollouts drawn up to 2 versions ahead, kept and dropped by whole groups), under
 the soak marker:
 
@@ -39,11 +43,11 @@ from tasks.config.update import AsyncConfig
 from tasks.data.problems import generate_problems
 from tasks.store import inflight
 from tasks.tracking.mlflow_log import EXPERIMENT, tracking_uri
-from tests.processes import descendants, placed_pids, wait_gone
+from tests.processes import descendants, placed_pids, wait_busy, wait_gone, wait_until
 from tests.small_run import run_command, small_run, stage
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = {2: 3, 4: 6, 10: 10}  # kill points -> stage 1's steps: enough rollouts for every kill to land
+STEPS = {1: 3, 4: 6, 10: 10}  # kill points -> stage 1's steps: enough rollouts for every kill to land
 CHECKPOINTS = ["base", "sft", "stage1", "hard"]
 RUN = {
     "eval.base": True,
@@ -120,6 +124,21 @@ def kept_rollouts(run_dir: Path) -> dict[tuple[str, int, str, int], tuple[str, i
     return kept
 
 
+def rank_dies_in_an_update(run_dir: Path, log_path: Path, since: float) -> dict:
+    """SIGKILL the trainer rank of the attempt that began at `since` once it is busy in stage 1's
+    step-1 update (its rollouts written by this attempt, step 2's being drawn ahead); return what
+    was kept in flight once the failed step's drawing ahead had stopped."""
+    placement = run_dir / "placement.json"
+    rollouts = run_dir / "rollouts" / "stage=stage1" / "step=1" / "part-0.parquet"
+    wait_until(lambda: placement.exists() and placement.stat().st_mtime >= since, "this attempt's placement", 600)
+    rank = next(a["pid"] for a in json.loads(placement.read_text())["actors"] if a["role"] == "trainer")
+    wait_until(lambda: rollouts.exists() and rollouts.stat().st_mtime >= since, "step 1's rollouts", 600)
+    wait_busy(rank, timeout_s=60)
+    os.kill(rank, signal.SIGKILL)
+    wait_until(lambda: "drawing ahead stopped" in log_path.read_text(), "the drawing ahead stopping", 300)
+    return kept_rollouts(run_dir)
+
+
 def kept_since(run_dir: Path, since: float) -> int:
     """Rollouts kept in flight since `since`, as far as this look finds: a step's folder goes
     while it is read once the step is recorded (the caller looks again)."""
@@ -133,14 +152,16 @@ def kept_since(run_dir: Path, since: float) -> int:
 
 
 @pytest.mark.parametrize(
-    "points, asynchrony",
+    "points, asynchrony, rank_dies",
     [
-        pytest.param(2, "one_step", marks=pytest.mark.slow),
-        pytest.param(10, "one_step", marks=[pytest.mark.slow, pytest.mark.soak]),
-        pytest.param(4, "bounded", marks=[pytest.mark.slow, pytest.mark.soak]),
+        pytest.param(1, "one_step", True, marks=pytest.mark.slow),
+        pytest.param(10, "one_step", False, marks=[pytest.mark.slow, pytest.mark.soak]),
+        pytest.param(4, "bounded", False, marks=[pytest.mark.slow, pytest.mark.soak]),
     ],
 )
-def test_a_run_killed_anywhere_resumes_to_what_its_config_implies(tmp_path, points, asynchrony, prefect_api) -> None:
+def test_a_run_killed_anywhere_resumes_to_what_its_config_implies(
+    tmp_path, points, asynchrony, rank_dies, prefect_api
+) -> None:
     rng, steps = random.Random(points), STEPS[points]
     output, log_path = tmp_path, tmp_path / "run.log"
     run_dir = output / "runs" / "resume"
@@ -177,16 +198,16 @@ def test_a_run_killed_anywhere_resumes_to_what_its_config_implies(tmp_path, poin
                 assert not (run_dir / "state" / "rl-stage1.json").exists()  # killed mid-stage
                 killed_walls = json.loads((run_dir / "state" / "wall.json").read_text())
         if victim.returncode is None or victim.returncode < 0:  # the last one was killed: finish the run
+            since = time.time()
             with log_path.open("ab") as log:
-                done = subprocess.run(
+                victim = subprocess.Popen(
                     command(output, steps, asynchrony),
-                    cwd=ROOT,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    timeout=900,
-                )
-            assert done.returncode == 0, log_path.read_text()[-4000:]
+                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                )  # fmt: skip
+            if rank_dies:
+                snapshots.update(rank_dies_in_an_update(run_dir, log_path, since))
+                started += placed_pids(run_dir)  # the failed attempt's actors, which its retry replaces
+            assert victim.wait(timeout=900) == 0, log_path.read_text()[-4000:]
         assert victim.returncode in (0, -signal.SIGKILL), log_path.read_text()[-4000:]
     finally:
         if victim is not None and victim.poll() is None:
@@ -195,6 +216,12 @@ def test_a_run_killed_anywhere_resumes_to_what_its_config_implies(tmp_path, poin
     text = log_path.read_text()
     assert "resuming with a new placement (cluster.num_cpus, trainer.ranks)" in text
     assert f"stage1: resuming at step 1 of {steps}" in text
+    if rank_dies:  # the failed update's drawing ahead started nothing more; the retry went on from step 0
+        assert "RankDied: trainer rank 0 on node " in text, text[-4000:]
+        stopped = next(line for line in text.splitlines() if "drawing ahead stopped" in line)
+        print(stopped.split("|")[-1].strip())
+        assert stopped.endswith("having started since: 0 turns, 0 tool calls"), stopped
+        assert text.count(f"stage1: resuming at step 1 of {steps}") == 2
     assert "checkpoint step-00000: saved by 2 ranks, loaded by 1 through DeepSpeed's universal format" in text
 
     # No finished rollout drawn again, every (problem, sample) of every step once, within the lag.
