@@ -33,6 +33,8 @@ kept under `outputs/bench/rollout-model`.
     .venv/bin/python bench/rollout_bench.py --rounds 0 --repeats 3         # part 2 alone, ~7 min
     .venv/bin/python bench/rollout_bench.py --rounds 0 --repeats 3 --policy outputs/runs/<run>/models/sft \
         --engines 1 --kv-gib 0.25 --problems 16 --samples 16 --temperature 0.6   # a default stage-1 batch
+    .venv/bin/python bench/rollout_bench.py --rounds 0 --repeats 3 --trace-out trace.json  # and keep
+        # every run's rollouts for bench/scheduler_sim.py --replay
     .venv/bin/python bench/rollout_bench.py --prompts 16 --new-tokens 16 --hf-batches 16 --rounds 1 \
         --passes 2 --problems 2 --samples 2 --max-response 64 --repeats 1   # does it run
 
@@ -41,6 +43,7 @@ timed), six per round of part 1 and two in part 2.
 """
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -68,6 +71,9 @@ from tasks.rollout.format import TOOL_CALL_CLOSE, prompt_text  # noqa: E402
 from tasks.runtime import Runtime  # noqa: E402
 from tasks.train.tiny_model import build_tiny_model  # noqa: E402
 from tasks.train.trainer import Trainer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scheduler_sim import replay_record  # noqa: E402
 
 TOOL = "execute_python_code_with_standard_io"
 MODEL = TinyModelConfig(hidden_size=192, num_layers=3, num_heads=3, num_kv_heads=1, intermediate_size=512)
@@ -249,9 +255,9 @@ POLICIES = {
 }
 
 
-def scheduling(model_dir: Path, args: argparse.Namespace) -> dict[str, list]:
+def scheduling(model_dir: Path, args: argparse.Namespace) -> tuple[dict[str, list], dict]:
     """Every policy on the same engine actors, alternating after an untimed warm-up batch; per run
-    (times, response tokens, mean turns, mean batch)."""
+    (times, response tokens, mean turns, mean batch, replay records), and the engines' layout."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -295,8 +301,12 @@ def scheduling(model_dir: Path, args: argparse.Namespace) -> dict[str, list]:
                 )
                 tokens = sum(len(t.response_ids) for t in trajectories)
                 turns = sum(t.turns for t in trajectories) / len(trajectories)
-                results[label].append((times, tokens, turns, mean_batch(trajectories, times.total_s, args.engines)))
-    return results
+                batch = mean_batch(trajectories, times.total_s, args.engines)
+                results[label].append(
+                    (times, tokens, turns, batch, [replay_record(t.turn_traces) for t in trajectories])
+                )
+        layout = {"kv_tokens": pool.kv_tokens, "max_num_seqs": cfg.max_num_seqs}
+    return results, layout
 
 
 def mean_batch(trajectories, makespan_s: float, engines: int) -> float:
@@ -329,6 +339,9 @@ def main() -> None:
         type=Path,
         default=None,
         help="part 2 on this policy alone (a run's models/<checkpoint>) instead of the bench's two models",
+    )
+    parser.add_argument(
+        "--trace-out", type=Path, default=None, help="part 2: write every run's turn traces here (JSON)"
     )
     args = parser.parse_args()
     configure_cpu_runtime()
@@ -363,6 +376,7 @@ def compare_schedulers(model_dir: Path, args: argparse.Namespace) -> None:
     }
     if args.policy:
         models = {f"policy {args.policy}": args.policy.resolve()}
+    workloads = []
     for label, directory in models.items():
         print(
             f"\nPart 2, {label}: {args.problems} problems x {args.samples} rollouts, up to {args.max_turns} "
@@ -370,13 +384,14 @@ def compare_schedulers(model_dir: Path, args: argparse.Namespace) -> None:
             f"engine actor(s) of {args.kv_gib} GiB KV",
             flush=True,
         )
-        results = scheduling(directory, args)
+        results, layout = scheduling(directory, args)
+        workloads.append({"label": label, **layout, "runs": traced_runs(results)})
         print(
             f"{'policy':<11} {'reserve':>7} {'makespan s':>11} {'idle':>6} {'preemptions':>11} {'tok/s':>7} "
             f"{'turns':>6} {'batch':>6}"
         )
         for label, runs in results.items():
-            for times, tokens, turns, batch in runs:
+            for times, tokens, turns, batch, _ in runs:
                 reserve = times.kv_reserve_tokens if label != "static" else "-"
                 print(
                     f"{label:<11} {reserve:>7} {times.total_s:>11.1f} {times.engine_idle_fraction:>6.1%} "
@@ -393,6 +408,30 @@ def compare_schedulers(model_dir: Path, args: argparse.Namespace) -> None:
                 f"{1 - mean[label] / mean['static']:+.1%} vs static (positive: shorter; mean of {args.repeats} each)",
                 flush=True,
             )
+    if args.trace_out:
+        args.trace_out.parent.mkdir(parents=True, exist_ok=True)
+        temporary = args.trace_out.with_suffix(".tmp")
+        temporary.write_text(json.dumps({"workloads": workloads}))
+        temporary.replace(args.trace_out)
+        print(f"traces of every run in {args.trace_out} (bench/scheduler_sim.py --replay)")
+
+
+def traced_runs(results: dict[str, list]) -> list[dict]:
+    """Each measured run: its policy, what the real pool measured, and its rollouts' replay records."""
+    return [
+        {
+            "policy": label,
+            "scheduler": POLICIES[label][0],
+            "reserve": times.kv_reserve_tokens,
+            "makespan_s": times.total_s,
+            "preemptions": times.preemptions,
+            "idle_fraction": times.engine_idle_fraction,
+            "batch": batch,
+            "rollouts": records,
+        }
+        for label, runs in results.items()
+        for times, _, _, batch, records in runs
+    ]
 
 
 if __name__ == "__main__":

@@ -39,6 +39,11 @@ rollouts table) or by default from the latencies bench/sandbox_bench.py measured
     .venv/bin/python bench/scheduler_sim.py --engines 8 --prompts 64 --kv-tokens 300000
     .venv/bin/python bench/scheduler_sim.py --max-response 12288 --max-turns 15   # stages 2 and 3
     .venv/bin/python bench/scheduler_sim.py --async   # step time, on-policy vs rl.async one_step
+    .venv/bin/python bench/scheduler_sim.py --replay trace.json --hardware cal.json
+
+With --replay: the runs the real pool measured (bench/rollout_bench.py --trace-out), each under
+its own policy and reserve, through the engine model fitted on a real engine
+(bench/engine_calibration.py --out), simulated against real makespan per run and per policy.
 
 With --async: a whole RL step on the GPUs of the engines' run (--engines), on-policy (every GPU
 holds an engine and a trainer rank, colocated, and they take turns) against rl.async one_step
@@ -54,7 +59,9 @@ tokens drawn (G of 2G). The push: 28 GB of bf16 weights at --sync-gbps.
 
 import argparse
 import heapq
+import json
 import random
+import statistics
 import sys
 import time
 from collections import deque
@@ -356,6 +363,65 @@ POLICIES = (
 )
 
 
+def replay_record(traces: list) -> list:
+    """A rollout's turn traces (tasks.records.TurnTrace) as [prompt tokens, tokens generated per
+    turn, [(tokens added, tool latency s)] after each turn but the last]: what --replay runs
+    through the engine model. A tool result counts at what the next turn's request added (the
+    response and its template); a call answered without the sandbox (a malformed one) at no
+    latency."""
+    tools = [[after.added_tokens, turn.tool_latency_s or 0.0] for turn, after in zip(traces, traces[1:])]
+    return [traces[0].added_tokens, [t.generated_tokens for t in traces], tools]
+
+
+def replayed(run: dict, engines: int, hw: Hardware) -> dict:
+    """One measured run's rollouts (replay records) simulated under the run's own policy and reserve."""
+    rollouts = [
+        Rollout(prompt, list(turns), [tuple(t) for t in tools], context=prompt)
+        for prompt, turns, tools in run["rollouts"]
+    ]
+    return Simulation(rollouts, engines, hw, run["scheduler"], max(1, run["reserve"])).run()
+
+
+def calibrated(path: Path, kv_tokens: int, max_num_seqs: int) -> Hardware:
+    """The engine model fitted on a real engine (bench/engine_calibration.py), with a pool's KV
+    cache and sequence cap; every step simulated (a CPU engine admits arrivals at every step)."""
+    costs = json.loads(path.read_text())
+    fields = ("step_base_s", "step_per_seq_s", "step_per_context_token_s", "prefill_per_token_s")
+    return Hardware(kv_tokens, max_num_seqs, **{f: costs[f] for f in fields}, max_chunk_steps=1)
+
+
+def replay(trace_path: Path, hardware_path: Path) -> None:
+    """Each run the real pool measured (bench/rollout_bench.py --trace-out), its own rollouts (prompt,
+    turn lengths, tool latencies) replayed under its own policy through the calibrated engine
+    model: simulated makespan against the real one, per run and per policy."""
+    for workload in json.loads(trace_path.read_text())["workloads"]:
+        kv = workload["kv_tokens"]
+        hw = calibrated(hardware_path, min(kv), workload["max_num_seqs"])
+        print(f"\n{workload['label']}: {len(kv)} engine(s) of {min(kv)} KV tokens")
+        print(
+            f"{'policy':<11} {'reserve':>7} {'real s':>7} {'sim s':>7} {'error':>7} "
+            f"{'real preempted':>14} {'sim preempted':>13}"
+        )
+        cells: dict[str, list[tuple[float, float]]] = {}
+        for run in workload["runs"]:
+            sim = replayed(run, len(kv), hw)
+            real = run["makespan_s"]
+            cells.setdefault(run["policy"], []).append((real, sim["makespan_s"]))
+            print(
+                f"{run['policy']:<11} {run['reserve']:>7} {real:>7.2f} {sim['makespan_s']:>7.2f} "
+                f"{sim['makespan_s'] / real - 1:>+7.1%} {run['preemptions']:>14} {sim['preemptions']:>13}"
+            )
+        means = {p: (statistics.fmean(r for r, _ in v), statistics.fmean(s for _, s in v)) for p, v in cells.items()}
+        for policy, (real, sim) in means.items():
+            error = sim / real - 1
+            print(f"{policy:<11} mean of {len(cells[policy])}: real {real:.2f} s, simulated {sim:.2f} s ({error:+.1%})")
+        rank = {which: sorted(means, key=lambda p: means[p][which]) for which in (0, 1)}
+        print(
+            f"fastest first: real {rank[0]}, simulated {rank[1]}"
+            + (" (agree)" if rank[0] == rank[1] else " (DISAGREE)")
+        )
+
+
 def async_estimate(args: argparse.Namespace) -> None:
     """Step time of one paper-scale RL step, on-policy colocated vs one_step split (see the
     module's docstring for the assumptions)."""
@@ -431,7 +497,18 @@ def main() -> None:
     parser.add_argument(
         "--split-kv-tokens", type=int, default=850_000, help="--async: KV tokens of an engine with a GPU of its own"
     )
+    parser.add_argument(
+        "--replay", type=Path, default=None, help="the real pool's traces (bench/rollout_bench.py --trace-out)"
+    )
+    parser.add_argument(
+        "--hardware", type=Path, default=None, help="--replay: an engine's fitted costs (bench/engine_calibration.py)"
+    )
     args = parser.parse_args()
+    if args.replay:
+        if not args.hardware:
+            parser.error("--replay needs --hardware (bench/engine_calibration.py --out)")
+        replay(args.replay, args.hardware)
+        return
     if args.overlap:
         async_estimate(args)
         return

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from tasks.records import TurnTrace
 from tasks.rollout.scheduler import (
     KVAwareScheduler,
     StaticScheduler,
@@ -108,6 +109,29 @@ def test_simulation_finishes_every_rollout_and_kv_aware_never_evicts() -> None:
     assert observed["makespan_s"] < kv_aware["makespan_s"]  # bigger batches, same engines
     for result in (static, kv_aware, observed):
         assert result["makespan_s"] > 0 and 0 <= result["idle_fraction"] < 1
+
+
+def test_a_replayed_trace_costs_its_prefills_steps_and_tool_waits() -> None:
+    # One rollout on one engine: a 100-token prompt, 5 tokens, a tool answering in 0.5 s whose
+    # response (with its template) adds 10 tokens, then 3 tokens. 1 ms a prefilled token, 10 ms a
+    # step: (0.100 + 5 x 0.010) + 0.5 + (0.010 + 3 x 0.010) = 0.69 s.
+    traces = [
+        TurnTrace(0, context_tokens=100, added_tokens=100, generated_tokens=5, started_at=0.0, ended_at=1.0,
+                  tool_latency_s=0.5, tool_response_tokens=8),
+        TurnTrace(0, context_tokens=115, added_tokens=10, generated_tokens=3, started_at=1.6, ended_at=2.0),
+    ]  # fmt: skip
+    record = scheduler_sim.replay_record(traces)
+    assert record == [100, [5, 3], [[10, 0.5]]]
+    hw = scheduler_sim.Hardware(
+        kv_tokens=10_000, step_base_s=0.01, step_per_seq_s=0.0, step_per_context_token_s=0.0,
+        prefill_per_token_s=0.001, max_chunk_steps=1,
+    )  # fmt: skip
+    for scheduler in ("static", "kv_aware"):
+        run = {"scheduler": scheduler, "reserve": 200, "rollouts": [record]}
+        assert scheduler_sim.replayed(run, 1, hw)["makespan_s"] == pytest.approx(0.69)
+    # A malformed call answered without the sandbox waits on nothing.
+    traces[0].tool_latency_s = None
+    assert scheduler_sim.replay_record(traces)[2] == [[10, 0.0]]
 
 
 def test_kv_aware_sends_a_dead_engines_rollouts_to_the_others_first() -> None:

@@ -1,0 +1,155 @@
+"""The engine's step cost, measured on a real vLLM engine, for bench/scheduler_sim.py.
+
+One engine of `--model` (a model directory: the bench's outputs/bench/rollout-model, or a run's
+models/<checkpoint>) in this process, with the run config's engine settings and one thread, as an
+engine actor runs, and a KV cache that holds every batch (a step's cost does not depend on the
+cache's size; preemptions would add recomputation to the steps measured). Batches of `n`
+requests of `L` random prompt tokens (no prefix shared) decode `--new-tokens` tokens each; every
+engine step is timed and described by what vLLM's scheduler put
+in it: the requests it ran, the context they attend to, and the prompt tokens it prefilled. A
+least-squares fit over all steps gives the simulator's engine model,
+
+    step s = step_base_s + step_per_seq_s x requests + step_per_context_token_s x context
+             + prefill_per_token_s x prefilled
+
+printed with its residuals by batch size and written as JSON (`--out`), which
+`bench/scheduler_sim.py --hardware` reads.
+
+    .venv/bin/python bench/engine_calibration.py --model outputs/bench/rollout-model \
+        --out outputs/bench/calibration-bench.json        # ~1 min
+    .venv/bin/python bench/engine_calibration.py --model outputs/runs/<run>/models/sft \
+        --out outputs/bench/calibration-default.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tasks.config import default_config_path, load_config  # noqa: E402
+from tasks.rollout.engine import Engine, configure_cpu_runtime  # noqa: E402
+
+# The simulator's engine model (bench/scheduler_sim.py, Hardware), in the order of fit()'s columns.
+TERMS = ("step_base_s", "step_per_seq_s", "step_per_context_token_s", "prefill_per_token_s")
+KV_GIB = 2.0
+
+
+def timed_steps(engine: Engine) -> list[tuple[float, int, int, int]]:
+    """Run the engine until its requests finish; per step (seconds, requests run, context tokens
+    they attend to, prompt tokens prefilled), from the scheduler's own output."""
+    scheduler = engine._core.engine_core.engine_core.scheduler
+    seen: list = []
+    schedule = scheduler.schedule
+
+    def recorded(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        requests = {r.request_id: r for r in scheduler.running}
+        context = prefilled = 0
+        for request_id, tokens in out.num_scheduled_tokens.items():
+            request = requests[request_id]
+            # schedule() has already counted this step's tokens as computed
+            before = request.num_computed_tokens - tokens
+            context += request.num_computed_tokens
+            prefilled += max(0, min(request.num_prompt_tokens - before, tokens))
+        seen.append((len(out.num_scheduled_tokens), context, prefilled))
+        return out
+
+    scheduler.schedule = recorded
+    steps = []
+    try:
+        while engine.has_unfinished():
+            started = time.perf_counter()
+            engine.step()
+            elapsed = time.perf_counter() - started
+            if seen and seen[-1][0]:
+                steps.append((elapsed, *seen[-1]))
+            seen.clear()
+    finally:
+        scheduler.schedule = schedule
+    return steps
+
+
+def measure(engine: Engine, vocab: int, batches: list[int], lengths: list[int], new_tokens: int, seed: int) -> list:
+    rng = random.Random(seed)
+    steps = []
+    cells = [(n, length) for length in lengths for n in batches]
+    for number, (n, length) in enumerate(tqdm(cells, desc="batch x prompt length")):
+        for i in range(n):
+            prompt = [rng.randrange(16, vocab) for _ in range(length)]
+            engine.add_request(f"c{number}-{i}", prompt, new_tokens, 1.0, 1.0, [])
+        steps += [(n, length, *step) for step in timed_steps(engine)]
+    return steps
+
+
+def fit(steps: list) -> dict[str, float]:
+    """Least squares on the relative error: steps range from ~2 ms to ~70 ms, and an absolute fit
+    leaves the small batches' steps twice as long as measured."""
+    x = np.array([[1.0, seqs, context, prefilled] for *_, _, seqs, context, prefilled in steps])
+    y = np.array([elapsed for _, _, elapsed, *_ in steps])
+    coefficients, *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)
+    return dict(zip(TERMS, (float(c) for c in coefficients)))
+
+
+def predicted(cost: dict[str, float], seqs: int, context: int, prefilled: int) -> float:
+    return sum(cost[term] * x for term, x in zip(TERMS, (1, seqs, context, prefilled)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--config", type=Path, default=default_config_path())
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64,128")
+    parser.add_argument("--lengths", default="64,256,512")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2, help="passes over the grid; the first is untimed warm-up")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    configure_cpu_runtime()
+    cfg = load_config(args.config, {"engines.kv_cache_gib": KV_GIB, "engines.max_num_seqs": 256})
+    batches = [int(n) for n in args.batches.split(",")]
+    lengths = [int(n) for n in args.lengths.split(",")]
+    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+    with Engine(args.model, cfg.engines.model_copy(update={"threads": 1}), seed=0) as engine:
+        lengths = [length for length in lengths if length + args.new_tokens <= cfg.engines.max_model_len]
+        steps = []
+        for repeat in range(args.repeats):
+            measured = measure(engine, vocab, batches, lengths, args.new_tokens, seed=repeat)
+            if repeat:
+                steps += measured
+    cost = fit(steps)
+    print(f"{len(steps)} engine steps")
+    print("fit: " + ", ".join(f"{term} {value:.3g}" for term, value in cost.items()))
+    print(f"{'batch':>5} {'prompt':>6} {'steps':>5} {'mean step ms':>12} {'fit ms':>7} {'error':>7}")
+    for n in batches:
+        for length in lengths:
+            cell = [s for s in steps if s[:2] == (n, length)]
+            if not cell:
+                continue
+            real = statistics.fmean(s[2] for s in cell)
+            fitted = statistics.fmean(predicted(cost, *s[3:]) for s in cell)
+            error = fitted / real - 1
+            print(f"{n:>5} {length:>6} {len(cell):>5} {real * 1e3:>12.2f} {fitted * 1e3:>7.2f} {error:>+7.1%}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    prefills = [s for s in steps if s[-1]]
+    real, fitted = sum(s[2] for s in prefills), sum(predicted(cost, *s[3:]) for s in prefills)
+    print(f"steps that prefilled ({len(prefills)}): {real:.2f} s measured, {fitted:.2f} s fitted")
+    # The steps too, (batch, prompt, s, requests, context, prefilled), to fit another model from.
+    record = {"model": str(args.model), "engine_steps": len(steps), **cost, "steps": steps}
+    temporary = args.out.with_suffix(".tmp")
+    temporary.write_text(json.dumps(record, indent=2))
+    temporary.replace(args.out)
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
