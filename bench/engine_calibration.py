@@ -5,9 +5,9 @@ models/<checkpoint>) in this process, with the run config's engine settings and 
 engine actor runs, and a KV cache that holds every batch (a step's cost does not depend on the
 cache's size; preemptions would add recomputation to the steps measured). Batches of `n`
 requests of `L` random prompt tokens (no prefix shared) decode `--new-tokens` tokens each; every
-engine step is timed and described by what vLLM's scheduler put
-in it: the requests it ran, the context they attend to, and the prompt tokens it prefilled. A
-least-squares fit over all steps gives the simulator's engine model,
+engine step is timed and described by what vLLM's scheduler put in it: the requests it ran, the
+context they attend to, and the prompt tokens it prefilled. A least-squares fit over all steps
+gives the simulator's engine model,
 
     step s = step_base_s + step_per_seq_s x requests + step_per_context_token_s x context
              + prefill_per_token_s x prefilled
@@ -39,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tasks.config import default_config_path, load_config  # noqa: E402
 from tasks.rollout.engine import Engine, configure_cpu_runtime  # noqa: E402
 
-# The simulator's engine model (bench/scheduler_sim.py, Hardware), in the order of fit()'s columns.
-TERMS = ("step_base_s", "step_per_seq_s", "step_per_context_token_s", "prefill_per_token_s")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scheduler_sim import ENGINE_COSTS  # noqa: E402  (in the order of fit()'s columns)
+
 KV_GIB = 2.0
 
 
@@ -97,11 +98,11 @@ def fit(steps: list) -> dict[str, float]:
     x = np.array([[1.0, seqs, context, prefilled] for *_, _, seqs, context, prefilled in steps])
     y = np.array([elapsed for _, _, elapsed, *_ in steps])
     coefficients, *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)
-    return dict(zip(TERMS, (float(c) for c in coefficients)))
+    return dict(zip(ENGINE_COSTS, (float(c) for c in coefficients)))
 
 
 def predicted(cost: dict[str, float], seqs: int, context: int, prefilled: int) -> float:
-    return sum(cost[term] * x for term, x in zip(TERMS, (1, seqs, context, prefilled)))
+    return sum(cost[term] * x for term, x in zip(ENGINE_COSTS, (1, seqs, context, prefilled)))
 
 
 def main() -> None:
@@ -115,7 +116,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     configure_cpu_runtime()
-    cfg = load_config(args.config, {"engines.kv_cache_gib": KV_GIB, "engines.max_num_seqs": 256})
+    cfg = load_config(args.config, {"engines.kv_cache_gib": KV_GIB})
     batches = [int(n) for n in args.batches.split(",")]
     lengths = [int(n) for n in args.lengths.split(",")]
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
@@ -139,12 +140,12 @@ def main() -> None:
             fitted = statistics.fmean(predicted(cost, *s[3:]) for s in cell)
             error = fitted / real - 1
             print(f"{n:>5} {length:>6} {len(cell):>5} {real * 1e3:>12.2f} {fitted * 1e3:>7.2f} {error:>+7.1%}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     prefills = [s for s in steps if s[-1]]
     real, fitted = sum(s[2] for s in prefills), sum(predicted(cost, *s[3:]) for s in prefills)
     print(f"steps that prefilled ({len(prefills)}): {real:.2f} s measured, {fitted:.2f} s fitted")
     # The steps too, (batch, prompt, s, requests, context, prefilled), to fit another model from.
     record = {"model": str(args.model), "engine_steps": len(steps), **cost, "steps": steps}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     temporary = args.out.with_suffix(".tmp")
     temporary.write_text(json.dumps(record, indent=2))
     temporary.replace(args.out)

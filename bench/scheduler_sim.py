@@ -88,6 +88,9 @@ class Hardware:
     max_chunk_steps: int = 16  # admit arrivals (tool results) at least this often
 
 
+# Hardware's per-step costs, the terms bench/engine_calibration.py fits on a real engine.
+ENGINE_COSTS = ("step_base_s", "step_per_seq_s", "step_per_context_token_s", "prefill_per_token_s")
+
 # (share, median s, sigma): small programs, sympy, 1 s CPU loops, 4 s timeouts (sandbox bench).
 DEFAULT_TOOL_LATENCY = ((0.70, 0.012, 0.4), (0.25, 0.038, 0.3), (0.03, 1.02, 0.05), (0.02, 4.0, 0.0))
 
@@ -386,8 +389,7 @@ def calibrated(path: Path, kv_tokens: int, max_num_seqs: int) -> Hardware:
     """The engine model fitted on a real engine (bench/engine_calibration.py), with a pool's KV
     cache and sequence cap; every step simulated (a CPU engine admits arrivals at every step)."""
     costs = json.loads(path.read_text())
-    fields = ("step_base_s", "step_per_seq_s", "step_per_context_token_s", "prefill_per_token_s")
-    return Hardware(kv_tokens, max_num_seqs, **{f: costs[f] for f in fields}, max_chunk_steps=1)
+    return Hardware(kv_tokens, max_num_seqs, **{term: costs[term] for term in ENGINE_COSTS}, max_chunk_steps=1)
 
 
 def replay(trace_path: Path, hardware_path: Path) -> None:
