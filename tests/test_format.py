@@ -149,6 +149,21 @@ def test_problem_statements_are_the_problems_unsolved():
     assert statements == [(p.kind, p.level, p.question, p.solution_code) for p in problems]
 
 
+def test_a_last_or_first_digit_problem_passes_the_digit_limit_and_is_answered_right():
+    import math
+    import re
+
+    kinds = ["last_digit", "last_digit_of_product", "first_digit"]
+    for problem in generate_problems(60, [1, 2, 3], seed=3, kinds=kinds):
+        powers = [(int(b), int(e)) for b, e in re.findall(r"(\d+)\^(\d+)", problem.question)]
+        digits = sum(e * math.log10(b) for b, e in powers)
+        assert digits > 4300 * problem.level, problem  # past the limit at every level
+        if problem.kind == "first_digit":
+            assert problem.answer == str(int(10 ** (digits % 1))), problem
+        else:
+            assert problem.answer == str(math.prod(pow(b, e, 10) for b, e in powers) % 10), problem
+
+
 def test_problems_of_the_kinds_asked_for_and_unknown_kinds_named():
     import sys
 

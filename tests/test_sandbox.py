@@ -147,7 +147,8 @@ def test_a_failed_call_is_how_the_program_ended_not_what_it_printed(
 def test_the_digit_kinds_first_program_fails_in_the_sandbox_as_the_sft_recovery_shows(service: SandboxService) -> None:
     """The unguarded program of a digit problem past the limit fails in the sandbox with the very
     traceback the SFT recovery examples answer it with; the guarded one prints the answer; below
-    the limit (level 1) the unguarded one works too."""
+    the limit (level 1 of the digit sums) the unguarded one works too, while a last or first
+    digit's power passes the limit at every level."""
     import random
 
     from tasks.data.chat_examples import broken_program
@@ -164,6 +165,12 @@ def test_the_digit_kinds_first_program_fails_in_the_sandbox_as_the_sft_recovery_
         assert broken_program(big, random.Random(0)) == (unguarded(big), failed.stderr)
         assert guarded.status is ToolStatus.OK and guarded.stdout.strip() == solve(kind, big_q, big)
         assert plain_small.status is ToolStatus.OK and plain_small.stdout.strip() == solve(kind, small_q, small)
+    for kind in ("last_digit", "last_digit_of_product", "first_digit"):
+        (q, code), (_, least) = KINDS[kind](random.Random(1), 3), KINDS[kind](random.Random(1), 1)
+        calls = [(unguarded(code), ""), (unguarded(least), ""), (code, "")]
+        failed, failed_least, guarded = execute_batch([service.url], calls)
+        assert failed.status is failed_least.status is ToolStatus.ERROR, (failed, failed_least)
+        assert guarded.status is ToolStatus.OK and guarded.stdout.strip() == solve(kind, q, code)
 
 
 def test_cpu_loop_and_sleep_time_out(service: SandboxService) -> None:

@@ -5,12 +5,15 @@ that a small model cannot do the arithmetic in its head but can copy them into a
 policy that learns to call the tool gains reward. Levels grow the size of the numbers and the
 number of steps.
 
-Two kinds have a natural first program that fails on their larger numbers, as real programs do:
-the digit sum of a power, or of a product of powers, needs `str()` of an integer past Python's
-4,300-digit limit on int-to-str conversion, which raises `ValueError` unless the program lifts it
-first (`DIGIT_LIMIT_OFF`). Their solutions lift it; pre-training can show the program without it
+Five kinds have a natural first program that fails on their larger numbers, as real programs do:
+the digit sum of a power or of a product of powers, and the last digit of a power or of a product
+of powers and the first digit of a power, need `str()` of an integer past Python's 4,300-digit
+limit on int-to-str conversion, which raises `ValueError` unless the program lifts it first
+(`DIGIT_LIMIT_OFF`). Their solutions lift it; pre-training can show the program without it
 (`unguarded`), so a policy's first call can fail and its second recover: the positives with tool
-errors that RoC filters.
+errors that RoC filters. A last or first digit is one of ten, and the last hangs on the exponent's
+last two digits only: a second call that miscopies the rest still answers right, as a real model's
+imperfect fix often does.
 """
 
 from __future__ import annotations
@@ -107,6 +110,39 @@ def _digit_sum_of_product(rng: random.Random, level: int) -> tuple[str, str]:
     )
 
 
+def _past_limit(base: int, level: int, share: float = 1.0) -> tuple[int, int]:
+    """Exponents of `base` whose powers have `share` times 4,300 * level to 4,300 * (level + 1)
+    digits: past the limit at every level, so the unguarded program always fails."""
+    least = math.floor(4_300 / math.log10(base)) + 1
+    return math.ceil(share * least * level), math.ceil(share * least * (level + 1))
+
+
+def _digit_of_power(rng: random.Random, level: int, which: str, index: int) -> tuple[str, str]:
+    base = rng.randint(2, 9)
+    exp = rng.randint(*_past_limit(base, level))
+    return (
+        f"What is the {which} digit of {base}^{exp}?",
+        f"{DIGIT_LIMIT_OFF}print(str({base}**{exp})[{index}])",
+    )
+
+
+def _last_digit(rng: random.Random, level: int) -> tuple[str, str]:
+    return _digit_of_power(rng, level, "last", -1)
+
+
+def _first_digit(rng: random.Random, level: int) -> tuple[str, str]:
+    return _digit_of_power(rng, level, "first", 0)
+
+
+def _last_digit_of_product(rng: random.Random, level: int) -> tuple[str, str]:
+    a, b = rng.sample(range(2, 10), 2)
+    m, n = rng.randint(*_past_limit(a, level, 0.5)), rng.randint(*_past_limit(b, level, 0.5))
+    return (
+        f"What is the last digit of {a}^{m} * {b}^{n}?",
+        f"{DIGIT_LIMIT_OFF}print(str({a}**{m} * {b}**{n})[-1])",
+    )
+
+
 @contextmanager
 def own_digit_limit(lifted: bool) -> Iterator[None]:
     """Inside: Python's digit limit on int <-> str conversion lifted, or as it is; after: this
@@ -134,6 +170,9 @@ KINDS: dict[str, Callable[[random.Random, int], tuple[str, str]]] = {
     "sum_of_powers": _sum_of_powers,
     "digit_sum": _digit_sum,
     "digit_sum_of_product": _digit_sum_of_product,
+    "last_digit": _last_digit,
+    "first_digit": _first_digit,
+    "last_digit_of_product": _last_digit_of_product,
 }
 
 
