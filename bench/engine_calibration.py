@@ -19,6 +19,14 @@ printed with its residuals by batch size and written as JSON (`--out`), which
         --out outputs/bench/calibration-bench.json        # ~1 min
     .venv/bin/python bench/engine_calibration.py --model outputs/runs/<run>/models/sft \
         --out outputs/bench/calibration-default.json
+    .venv/bin/python bench/engine_calibration.py --pool trace.json \
+        --alone outputs/bench/calibration-bench.json --out calibration-pool.json
+
+`--pool`: the step's fixed and per-request terms fitted instead on the engines of the real pool's
+runs, each run's and engine's stepped seconds and steps (bench/rollout_bench.py --trace-out)
+against the sums of its turns' terms, the per-token terms kept from the engine alone (`--alone`):
+the step's cost where the engine shares its cores with the driver, the sandbox and Ray, which an
+engine alone does not see.
 """
 
 from __future__ import annotations
@@ -101,13 +109,87 @@ def fit(steps: list) -> dict[str, float]:
     return dict(zip(ENGINE_COSTS, (float(c) for c in coefficients)))
 
 
-def predicted(cost: dict[str, float], seqs: int, context: int, prefilled: int) -> float:
-    return sum(cost[term] * x for term, x in zip(ENGINE_COSTS, (1, seqs, context, prefilled)))
+def pool_rows(trace: dict) -> list[tuple[str, str, float, list[float]]]:
+    """Per engine of each run the real pool measured without a preemption (bench/rollout_bench.py
+    --trace-out): (workload, policy, seconds it stepped, [steps, request-steps, context tokens
+    attended, tokens prefilled]), the sums the engine model's terms multiply. Request-steps are
+    the tokens generated (one per running request a step); a turn of g tokens from a context of
+    c attends to g x c + g (g - 1) / 2; what is prefilled is each turn's new tokens (the prompt,
+    then the tool's answer: the rest is in the prefix cache)."""
+    rows = []
+    for workload in trace["workloads"]:
+        for run in workload["runs"]:
+            if run["preemptions"]:
+                continue  # what it recomputed is not in the traces
+            sums = [[float(engine["steps"]), 0.0, 0.0, 0.0] for engine in run["engine_steps"]]
+            for prompt, turns, tools, _, engine in run["rollouts"]:
+                context, added = 0, [prompt] + [tokens for tokens, _ in tools]
+                for generated, new in zip(turns, added):
+                    context += new
+                    row = sums[engine]
+                    row[1] += generated
+                    row[2] += generated * context + generated * (generated - 1) / 2
+                    row[3] += new
+                    context += generated
+            for engine, row in zip(run["engine_steps"], sums):
+                rows.append((workload["label"], run["policy"], engine["busy_s"], row))
+    return rows
+
+
+def fit_pool(rows: list, alone: dict[str, float]) -> dict[str, float]:
+    """The step's fixed and per-request costs fitted on the pool (least squares on the relative
+    error of each engine's stepped seconds in a run), its attention and prefill costs those of
+    the engine alone (`alone`): a few dozen runs' sums cannot tell the four terms apart (a free
+    fit gave negative ones), and what sharing the cores adds is per step and per request (the
+    GIL, Ray's calls, vLLM's bookkeeping), not per token attended or prefilled."""
+    x = np.array([row[:2] for *_, row in rows])
+    y = np.array([busy for _, _, busy, _ in rows])
+    fixed = np.array(
+        [alone["step_per_context_token_s"] * row[2] + alone["prefill_per_token_s"] * row[3] for *_, row in rows]
+    )
+    coefficients, *_ = np.linalg.lstsq(x / y[:, None], 1 - fixed / y, rcond=None)
+    return {
+        "step_base_s": float(coefficients[0]),
+        "step_per_seq_s": float(coefficients[1]),
+        "step_per_context_token_s": alone["step_per_context_token_s"],
+        "prefill_per_token_s": alone["prefill_per_token_s"],
+    }
+
+
+def calibrate_on_pool(trace_path: Path, alone_path: Path, out: Path) -> None:
+    rows = pool_rows(json.loads(trace_path.read_text()))
+    alone = json.loads(alone_path.read_text())
+    cost = fit_pool(rows, alone)
+    print("alone: " + ", ".join(f"{term} {alone[term]:.3g}" for term in ENGINE_COSTS))
+    print(f"{len(rows)} engine runs without a preemption")
+    print("fit: " + ", ".join(f"{term} {value:.3g}" for term, value in cost.items()))
+    print(f"{'workload':<28} {'policy':<11} {'runs':>4} {'stepped s':>9} {'fit s':>7} {'error':>7}")
+    for label, policy in dict.fromkeys((label, policy) for label, policy, *_ in rows):
+        cell = [(busy, row) for lab, pol, busy, row in rows if (lab, pol) == (label, policy)]
+        real = sum(busy for busy, _ in cell)
+        fitted = sum(predicted(cost, *row[1:], steps=row[0]) for _, row in cell)
+        print(f"{label[:28]:<28} {policy:<11} {len(cell):>4} {real:>9.2f} {fitted:>7.2f} {fitted / real - 1:>+7.1%}")
+    write(out, {"trace": str(trace_path), "alone": str(alone_path), "engine_runs": len(rows), **cost})
+
+
+def write(out: Path, record: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temporary = out.with_suffix(".tmp")
+    temporary.write_text(json.dumps(record, indent=2))
+    temporary.replace(out)
+    print(f"written to {out}")
+
+
+def predicted(cost: dict[str, float], seqs: float, context: float, prefilled: float, steps: float = 1) -> float:
+    return sum(cost[term] * x for term, x in zip(ENGINE_COSTS, (steps, seqs, context, prefilled)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, required=True)
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", type=Path, help="time an engine of this model alone")
+    which.add_argument("--pool", type=Path, help="fit on the real pool's runs instead (rollout_bench --trace-out)")
+    parser.add_argument("--alone", type=Path, help="--pool: the engine alone's fit, for its per-token terms")
     parser.add_argument("--config", type=Path, default=default_config_path())
     parser.add_argument("--batches", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--lengths", default="64,256,512")
@@ -115,6 +197,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="passes over the grid; the first is untimed warm-up")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.pool:
+        if not args.alone:
+            parser.error("--pool needs --alone (this script's --out for an engine of the same model alone)")
+        calibrate_on_pool(args.pool, args.alone, args.out)
+        return
     configure_cpu_runtime()
     cfg = load_config(args.config, {"engines.kv_cache_gib": KV_GIB})
     batches = [int(n) for n in args.batches.split(",")]
@@ -144,12 +231,7 @@ def main() -> None:
     real, fitted = sum(s[2] for s in prefills), sum(predicted(cost, *s[3:]) for s in prefills)
     print(f"steps that prefilled ({len(prefills)}): {real:.2f} s measured, {fitted:.2f} s fitted")
     # The steps too, (batch, prompt, s, requests, context, prefilled), to fit another model from.
-    record = {"model": str(args.model), "engine_steps": len(steps), **cost, "steps": steps}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    temporary = args.out.with_suffix(".tmp")
-    temporary.write_text(json.dumps(record, indent=2))
-    temporary.replace(args.out)
-    print(f"written to {args.out}")
+    write(args.out, {"model": str(args.model), "engine_steps": len(steps), **cost, "steps": steps})
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ rounds close the part.
 Part 2, scheduling: multi-turn agent rollouts (tool calls run in the run's sandbox replica) on
 two engine actors whose KV caches hold only a few full-length rollouts each (or the default's
 stage-1 batch on its one engine, `--policy`), once per policy (static; KV-aware reserving full
-length, the paper's; KV-aware reserving 1.3 x the mean size of the previous run's rollouts),
+length, the paper's; KV-aware reserving 1.3 x the mean size of the previous run's rollouts;
+kv_live on that reserve and each rollout's live size, at `--overcommit`),
 repeated `--repeats` times in alternation after an untimed warm-up batch: makespan, engine idle
 fraction (time the engines spent outside a step), preemptions (vLLM evicting running rollouts
 from its KV cache, to recompute them later), mean batch (requests in an engine at once, from
@@ -252,6 +253,7 @@ POLICIES = {
     "static": ("static", "max_length"),
     "kv_aware": ("kv_aware", "max_length"),
     "kv_observed": ("kv_aware", "observed"),
+    "kv_live": ("kv_live", "observed"),
 }
 
 
@@ -295,15 +297,23 @@ def scheduling(model_dir: Path, args: argparse.Namespace) -> tuple[dict[str, lis
             for label in order if repeat % 2 == 0 else order[::-1]:
                 policy, reserve = POLICIES[label]
                 # kv_observed sizes its reserve from the engines' previous batch, whichever policy ran it.
-                pool.cfg = cfg.model_copy(update={"scheduler": policy, "kv_reserve": reserve})
+                pool.cfg = cfg.model_copy(
+                    update={"scheduler": policy, "kv_reserve": reserve, "kv_overcommit": args.overcommit}
+                )
+                before = pool.stats()
                 trajectories, times = run_rollouts(
                     pool, tools, tokenizer, problems, args.samples, spec, f"{label} #{repeat}"
                 )
+                # Per engine, the seconds it stepped and its steps: the engine's cost in the pool.
+                steps = [
+                    {"busy_s": a["busy_s"] - b["busy_s"], "steps": a["steps"] - b["steps"]}
+                    for a, b in zip(pool.stats(), before)
+                ]
                 tokens = sum(len(t.response_ids) for t in trajectories)
                 turns = sum(t.turns for t in trajectories) / len(trajectories)
                 batch = mean_batch(trajectories, times.total_s, args.engines)
                 results[label].append(
-                    (times, tokens, turns, batch, [replay_record(t.turn_traces) for t in trajectories])
+                    (times, tokens, turns, batch, [replay_record(t.turn_traces) for t in trajectories], steps)
                 )
         layout = {"kv_tokens": pool.kv_tokens, "max_num_seqs": cfg.max_num_seqs}
     return results, layout
@@ -332,6 +342,7 @@ def main() -> None:
     parser.add_argument("--kv-gib", type=float, default=0.004, help="KV cache per engine in part 2")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each policy in part 2; 0 skips part 2")
     parser.add_argument("--engines", type=int, default=2, help="engine actors in part 2")
+    parser.add_argument("--overcommit", type=float, default=1.0, help="part 2: kv_live's engines.kv_overcommit")
     parser.add_argument("--max-turns", type=int, default=4, help="part 2")
     parser.add_argument("--temperature", type=float, default=1.0, help="part 2")
     parser.add_argument(
@@ -385,13 +396,13 @@ def compare_schedulers(model_dir: Path, args: argparse.Namespace) -> None:
             flush=True,
         )
         results, layout = scheduling(directory, args)
-        workloads.append({"label": label, **layout, "runs": traced_runs(results)})
+        workloads.append({"label": label, **layout, "runs": traced_runs(results, args.overcommit)})
         print(
             f"{'policy':<11} {'reserve':>7} {'makespan s':>11} {'idle':>6} {'preemptions':>11} {'tok/s':>7} "
             f"{'turns':>6} {'batch':>6}"
         )
         for label, runs in results.items():
-            for times, tokens, turns, batch, _ in runs:
+            for times, tokens, turns, batch, *_ in runs:
                 reserve = times.kv_reserve_tokens if label != "static" else "-"
                 print(
                     f"{label:<11} {reserve:>7} {times.total_s:>11.1f} {times.engine_idle_fraction:>6.1%} "
@@ -401,11 +412,11 @@ def compare_schedulers(model_dir: Path, args: argparse.Namespace) -> None:
         spread = {p: (min(t.total_s for t, *_ in r), max(t.total_s for t, *_ in r)) for p, r in results.items()}
         low, high = spread["static"]
         print(f"static makespan {mean['static']:.1f} s (range {low:.1f}-{high:.1f} over {args.repeats})")
-        for label in ("kv_aware", "kv_observed"):
+        for label in [p for p in POLICIES if p != "static"]:
             low, high = spread[label]
             print(
                 f"{label} makespan {mean[label]:.1f} s (range {low:.1f}-{high:.1f}): "
-                f"{1 - mean[label] / mean['static']:+.1%} vs static (positive: shorter; mean of {args.repeats} each)",
+                f"{mean[label] / mean['static']:.2f}x static's (mean of {args.repeats} each)",
                 flush=True,
             )
     if args.trace_out:
@@ -416,21 +427,23 @@ def compare_schedulers(model_dir: Path, args: argparse.Namespace) -> None:
         print(f"traces of every run in {args.trace_out} (bench/scheduler_sim.py --replay)")
 
 
-def traced_runs(results: dict[str, list]) -> list[dict]:
+def traced_runs(results: dict[str, list], overcommit: float) -> list[dict]:
     """Each measured run: its policy, what the real pool measured, and its rollouts' replay records."""
     return [
         {
             "policy": label,
             "scheduler": POLICIES[label][0],
             "reserve": times.kv_reserve_tokens,
+            "overcommit": overcommit,
             "makespan_s": times.total_s,
             "preemptions": times.preemptions,
             "idle_fraction": times.engine_idle_fraction,
             "batch": batch,
+            "engine_steps": steps,
             "rollouts": records,
         }
         for label, runs in results.items()
-        for times, _, _, batch, records in runs
+        for times, _, _, batch, records, steps in runs
     ]
 
 

@@ -1,8 +1,9 @@
 """Discrete-event simulation of one paper-scale RL step's rollouts: KV-aware vs static scheduling.
 
-Three policies: static (the baseline), kv_aware (the paper's: each rollout reserves its full
-length of KV) and kv_observed (KV-aware, each rollout reserving `--kv-headroom` x the mean size of
-a previous step's rollouts, drawn from the same distribution).
+Four policies: static (the baseline), kv_aware (the paper's: each rollout reserves its full
+length of KV), kv_observed (KV-aware, each rollout reserving `--kv-headroom` x the mean size of
+a previous step's rollouts, drawn from the same distribution) and kv_live (the observed reserve
+or each rollout's live size, whichever is more, up to `--overcommit` x each engine's cache).
 
 64 engines, 512 prompts x 32 rollouts, heavy-tailed multi-turn rollouts with tool calls whose
 latencies are drawn from measured sandbox latencies. Every run uses the scheduler code of the
@@ -25,6 +26,9 @@ The engine model, one vLLM engine per GPU (assumptions, with where the numbers c
   max_num_seqs running). When the running ones outgrow the cache it first drops cached prefixes
   of rollouts waiting on a tool (least recently used), then preempts the latest-admitted
   running rollout; both recompute their whole context when they run again.
+- Each rollout's prompt holds KV of its own. vLLM's prefix cache shares a prompt's blocks among
+  the rollouts of its group, which this model does not: replayed, the real pool's large batches
+  (static, kv_live) take up to twice the real steps (docs/benchmarks.md, 2026-12-03).
 - A rollout's turn ends its request; while its tool runs, its KV stays in the prefix cache (so
   the next turn only prefills the tool response) unless evicted.
 
@@ -86,6 +90,9 @@ class Hardware:
     step_per_context_token_s: float = 4e-8
     prefill_per_token_s: float = 1.2e-4
     max_chunk_steps: int = 16  # admit arrivals (tool results) at least this often
+    # The driver's time per finished turn (taken back, decoded, parsed, its tool call or next
+    # request sent), one turn after another for all engines: fitted on the real pool's traces.
+    turn_overhead_s: float = 0.0
 
 
 # Hardware's per-step costs, the terms bench/engine_calibration.py fits on a real engine.
@@ -165,15 +172,18 @@ class Engine:
 
 
 class Simulation:
-    def __init__(self, rollouts: list[Rollout], n_engines: int, hw: Hardware, policy: str, reserve: int) -> None:
+    def __init__(
+        self, rollouts: list[Rollout], n_engines: int, hw: Hardware, policy: str, reserve: int, overcommit: float = 1.0
+    ) -> None:
         self.rollouts = rollouts
         self.hw = hw
         self.engines = [Engine(hw) for _ in range(n_engines)]
-        self.scheduler = make_scheduler(policy, [hw.kv_tokens] * n_engines, reserve, range(len(rollouts)))
+        self.scheduler = make_scheduler(policy, [hw.kv_tokens] * n_engines, reserve, range(len(rollouts)), overcommit)
         self.events: list = []
         self.seq = 0
         self.done = 0
         self.now = 0.0
+        self.driver_free = 0.0  # when the driver is done with the turns handed to it so far
 
     def push(self, at: float, kind: str, payload: int) -> None:
         self.seq += 1
@@ -290,9 +300,11 @@ class Simulation:
             context = self.context_of(rid, engine)
             engine.running_context -= context
             r.context = r.resident = context
+            self.scheduler.resize(rid, context)
+            self.driver_free = max(self.now, self.driver_free) + self.hw.turn_overhead_s
             if r.turn < len(r.tools):
                 engine.tool_wait[rid] = None  # its KV stays cached while the tool runs
-                self.push(self.now + r.tools[r.turn][1], "tool", rid)
+                self.push(self.driver_free + r.tools[r.turn][1], "tool", rid)
             else:
                 engine.used -= r.resident
                 r.resident = 0
@@ -317,12 +329,13 @@ class Simulation:
                 if engine.tool_wait.pop(payload, "evicted") is None:
                     engine.tool_wait[payload] = None  # its cached prefix: most recently used now
                 r.context += r.tools[r.turn][0]
+                self.scheduler.resize(payload, r.context)
                 r.turn += 1
                 engine.queue.append(payload)
                 self.wake(r.engine)
         progress.close()
         assert self.done == len(self.rollouts), (self.done, len(self.rollouts))
-        makespan = self.now
+        makespan = max(self.now, self.driver_free)
         return {
             "makespan_s": makespan,
             "idle_fraction": 1 - sum(e.busy_s for e in self.engines) / (makespan * len(self.engines)),
@@ -352,7 +365,7 @@ def simulate(policy: str, args: argparse.Namespace, hw: Hardware, reserve: str =
         previous = [r.prompt + sum(r.turns) + sum(t for t, _ in r.tools) for r in sample(args.seed + 1)]
     reserved = reserve_tokens(reserve, max_rollout, previous, args.kv_headroom)
     started = time.perf_counter()
-    result = Simulation(rollouts, args.engines, hw, policy, reserved).run()
+    result = Simulation(rollouts, args.engines, hw, policy, reserved, args.overcommit).run()
     result["sim_s"] = time.perf_counter() - started
     result["slots_per_engine"] = hw.kv_tokens // reserved
     return result
@@ -363,43 +376,67 @@ POLICIES = (
     ("static", "static", "max_length"),
     ("kv_aware", "kv_aware", "max_length"),
     ("kv_observed", "kv_aware", "observed"),
+    ("kv_live", "kv_live", "observed"),
 )
 
 
 def replay_record(traces: list) -> list:
     """A rollout's turn traces (tasks.records.TurnTrace) as [prompt tokens, tokens generated per
-    turn, [(tokens added, tool latency s)] after each turn but the last]: what --replay runs
-    through the engine model. A tool result counts at what the next turn's request added (the
-    response and its template); a call answered without the sandbox (a malformed one) at no
-    latency."""
+    turn, [(tokens added, tool latency s)] and [the driver's gap] after each turn but the last,
+    the engine it ran on]: what --replay runs through the engine model. A tool result counts at what the next turn's
+    request added (the response and its template); a call answered without the sandbox (a
+    malformed one) at no latency."""
     tools = [[after.added_tokens, turn.tool_latency_s or 0.0] for turn, after in zip(traces, traces[1:])]
-    return [traces[0].added_tokens, [t.generated_tokens for t in traces], tools]
+    # What the driver took between a turn coming back and the next one going out, its tool aside.
+    gaps = [after.started_at - turn.ended_at - (turn.tool_latency_s or 0.0) for turn, after in zip(traces, traces[1:])]
+    return [traces[0].added_tokens, [t.generated_tokens for t in traces], tools, gaps, traces[0].engine]
 
 
 def replayed(run: dict, engines: int, hw: Hardware) -> dict:
     """One measured run's rollouts (replay records) simulated under the run's own policy and reserve."""
     rollouts = [
         Rollout(prompt, list(turns), [tuple(t) for t in tools], context=prompt)
-        for prompt, turns, tools in run["rollouts"]
+        for prompt, turns, tools, *_ in run["rollouts"]
     ]
-    return Simulation(rollouts, engines, hw, run["scheduler"], max(1, run["reserve"])).run()
+    overcommit = run["overcommit"] if run["scheduler"] == "kv_live" else 1.0
+    return Simulation(rollouts, engines, hw, run["scheduler"], max(1, run["reserve"]), overcommit).run()
 
 
-def calibrated(path: Path, kv_tokens: int, max_num_seqs: int) -> Hardware:
+def turn_overhead(workload: dict) -> float:
+    """The driver's time per turn: the median, over every run's turns that went on, of the gap
+    between a turn coming back and the next going out, its tool's latency aside."""
+    gaps = [gap for run in workload["runs"] for rollout in run["rollouts"] for gap in rollout[3]]
+    if not gaps:
+        raise ValueError(f"workload {workload['label']!r}: no turn went on after another, nothing to fit")
+    return statistics.median(gaps)
+
+
+def calibrated(path: Path, kv_tokens: int, max_num_seqs: int, overhead_s: float) -> Hardware:
     """The engine model fitted on a real engine (bench/engine_calibration.py), with a pool's KV
-    cache and sequence cap; every step simulated (a CPU engine admits arrivals at every step)."""
+    cache and sequence cap and the driver's time per turn; every step simulated (a CPU engine
+    admits arrivals at every step)."""
     costs = json.loads(path.read_text())
-    return Hardware(kv_tokens, max_num_seqs, **{term: costs[term] for term in ENGINE_COSTS}, max_chunk_steps=1)
+    return Hardware(
+        kv_tokens,
+        max_num_seqs,
+        **{term: costs[term] for term in ENGINE_COSTS},
+        max_chunk_steps=1,
+        turn_overhead_s=overhead_s,
+    )
 
 
-def replay(trace_path: Path, hardware_path: Path) -> None:
+def replay(trace_path: Path, hardware_path: Path, driver: bool = True) -> None:
     """Each run the real pool measured (bench/rollout_bench.py --trace-out), its own rollouts (prompt,
     turn lengths, tool latencies) replayed under its own policy through the calibrated engine
     model: simulated makespan against the real one, per run and per policy."""
     for workload in json.loads(trace_path.read_text())["workloads"]:
         kv = workload["kv_tokens"]
-        hw = calibrated(hardware_path, min(kv), workload["max_num_seqs"])
-        print(f"\n{workload['label']}: {len(kv)} engine(s) of {min(kv)} KV tokens")
+        overhead = turn_overhead(workload) if driver else 0.0
+        hw = calibrated(hardware_path, min(kv), workload["max_num_seqs"], overhead)
+        print(
+            f"\n{workload['label']}: {len(kv)} engine(s) of {min(kv)} KV tokens; "
+            f"the driver {overhead * 1e3:.1f} ms a turn"
+        )
         print(
             f"{'policy':<11} {'reserve':>7} {'real s':>7} {'sim s':>7} {'error':>7} "
             f"{'real preempted':>14} {'sim preempted':>13}"
@@ -487,6 +524,10 @@ def main() -> None:
         default=1.3,
         help="kv_observed reserves this times the previous step's mean rollout",
     )
+    parser.add_argument(
+        "--turn-overhead", type=float, default=0.0, help="the driver's s per finished turn, one driver for all engines"
+    )
+    parser.add_argument("--overcommit", type=float, default=1.0, help="kv_live: admit up to this x each engine's KV")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--async", dest="overlap", action="store_true", help="step time: off vs rl.async one_step")
     parser.add_argument(
@@ -503,13 +544,16 @@ def main() -> None:
         "--replay", type=Path, default=None, help="the real pool's traces (bench/rollout_bench.py --trace-out)"
     )
     parser.add_argument(
+        "--no-driver", action="store_true", help="--replay: the engine model alone, no driver time per turn"
+    )
+    parser.add_argument(
         "--hardware", type=Path, default=None, help="--replay: an engine's fitted costs (bench/engine_calibration.py)"
     )
     args = parser.parse_args()
     if args.replay:
         if not args.hardware:
             parser.error("--replay needs --hardware (bench/engine_calibration.py --out)")
-        replay(args.replay, args.hardware)
+        replay(args.replay, args.hardware, driver=not args.no_driver)
         return
     if args.overlap:
         async_estimate(args)
@@ -533,7 +577,7 @@ def main() -> None:
         f"{'preempted':>9} {'prefix evicted':>14} {'recomputed tok':>14} {'vs static':>10}"
     )
     for kv in (int(x) for x in args.kv_tokens.split(",")):
-        hw = Hardware(kv_tokens=kv)
+        hw = Hardware(kv_tokens=kv, turn_overhead_s=args.turn_overhead)
         results = {label: simulate(policy, args, hw, reserve) for label, policy, reserve in POLICIES}
         for name, r in results.items():
             gain = 1 - r["makespan_s"] / results["static"]["makespan_s"]

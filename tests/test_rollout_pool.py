@@ -4,7 +4,8 @@ The engines, the sandbox replica and the trainer rank are started by the run's o
 object (tasks/runtime: a local Ray on this machine), as a flow starts them. The model is untrained,
 so every turn runs to the token budget: long, same-length rollouts on engines whose KV cache holds
 only a few of them. The static split overflows the cache (vLLM preempts and recomputes); the
-KV-aware scheduler admits only what fits and never does. Once the run's services are stopped, no
+KV-aware scheduler admits only what fits and never does; kv_live admits on what the rollouts hold
+as they grow. Once the run's services are stopped, no
 process they ran is left. About two minutes on two cores.
 """
 
@@ -122,19 +123,23 @@ def runtime(model_dir, tmp_path_factory):
     assert_gone(pids)  # also where the test below was not selected
 
 
-@pytest.mark.parametrize("policy", ["static", "kv_aware", "kv_observed"])
+@pytest.mark.parametrize("policy", ["static", "kv_aware", "kv_observed", "kv_live"])
 @pytest.mark.slow
 def test_rollouts_complete_on_two_engine_actors(model_dir, runtime, policy) -> None:
     pool, tools = runtime.engines, runtime.tools
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     problems = [(p.problem_id, p.question) for p in generate_problems(4, [1], seed=3)]
-    # kv_observed: as if the previous batch's rollouts had held 200 tokens each.
-    reserve, previous = ("observed", [200] * 8) if policy == "kv_observed" else ("max_length", [])
+    # kv_observed and kv_live: as if the previous batch's rollouts had held 200 tokens each.
+    observed = policy in ("kv_observed", "kv_live")
+    reserve, previous = ("observed", [200] * 8) if observed else ("max_length", [])
     pool.cfg = pool.cfg.model_copy(
         update={"scheduler": policy.replace("kv_observed", "kv_aware"), "kv_reserve": reserve}
     )
     pool.last_rollout_sizes = previous
+    before = pool.stats()
     trajectories, times = run_rollouts(pool, tools, tokenizer, problems, 4, SPEC)
+    steps = [a["steps"] - b["steps"] for a, b in zip(pool.stats(), before)]
+    assert all(n > 0 for n in steps), steps  # each engine stepped, and counted its steps
     assert len(trajectories) == 16
     for traj in trajectories:
         assert traj.stop_reason, traj
@@ -144,7 +149,7 @@ def test_rollouts_complete_on_two_engine_actors(model_dir, runtime, policy) -> N
     slots = [kv // longest for kv in pool.kv_tokens]
     assert min(slots) >= 1 and sum(slots) < 16, (pool.kv_tokens, longest)  # the engines cannot hold all at once
     assert all(t.stop_reason != "budget" or len(t.response_ids) > 0 for t in trajectories)
-    if policy == "kv_observed":
+    if observed:
         assert times.kv_reserve_tokens == 260  # 1.3 x 200, so more rollouts than full-length fit
     elif policy == "kv_aware":
         assert times.kv_reserve_tokens == longest

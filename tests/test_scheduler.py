@@ -1,5 +1,6 @@
 """The rollout scheduler policies (pure) and the paper-scale simulator that drives them."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import pytest
 from tasks.records import TurnTrace
 from tasks.rollout.scheduler import (
     KVAwareScheduler,
+    LiveKVScheduler,
     StaticScheduler,
     make_scheduler,
     reserve_tokens,
@@ -75,6 +77,35 @@ def test_static_splits_everything_evenly_up_front() -> None:
     assert scheduler.admit() == []
 
 
+def test_kv_live_counts_each_rollout_at_its_reserve_or_its_live_size_whichever_is_more() -> None:
+    # One engine of 3,000 KV tokens, a reserve of 1,000: three rollouts while all are small.
+    scheduler = LiveKVScheduler([3_000], 1_000, range(10))
+    assert scheduler.admit() == [(0, 0), (1, 0), (2, 0)]
+    scheduler.resize(0, 400)  # within its reserve: it keeps the reserve for what is to come
+    scheduler.resize(1, 1_600)  # past it: it holds what it holds
+    scheduler.finish(2)
+    assert scheduler.admit() == []  # 1,000 + 1,600 + a new 1,000 > 3,000
+    scheduler.finish(1)
+    assert scheduler.admit() == [(3, 0), (4, 0)]  # its 1,600 freed, not its reserve
+
+
+def test_kv_live_overcommit_plans_engines_past_their_cache() -> None:
+    assert len(LiveKVScheduler([3_000], 1_000, range(10)).admit()) == 3
+    assert len(LiveKVScheduler([3_000], 1_000, range(10), overcommit=2.0).admit()) == 6
+    with pytest.raises(ValueError, match="overcommit must be at least 1"):
+        LiveKVScheduler([3_000], 1_000, range(10), overcommit=0.5)
+
+
+def test_kv_live_sends_a_dead_engines_rollouts_to_the_others_first() -> None:
+    scheduler = make_scheduler("kv_live", [2_000, 2_000], 1_000, range(6))
+    assert scheduler.admit() == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    scheduler.resize(1, 1_500)
+    assert scheduler.drop_engine(1) == [1, 3]
+    scheduler.finish(0)
+    assert scheduler.admit() == [(1, 0)]  # the moved rollouts first, on the engine left
+    assert scheduler.admit() == []
+
+
 def test_unknown_policy_is_named() -> None:
     with pytest.raises(ValueError, match="unknown scheduler policy 'fifo'"):
         make_scheduler("fifo", [1000], 100, range(3))
@@ -94,6 +125,7 @@ def test_simulation_finishes_every_rollout_and_kv_aware_never_evicts() -> None:
             seed=1,
             engines=4,
             kv_headroom=1.3,
+            overcommit=1.0,
         ),
     )
     tight = scheduler_sim.Hardware(kv_tokens=40_000)
@@ -107,7 +139,10 @@ def test_simulation_finishes_every_rollout_and_kv_aware_never_evicts() -> None:
     assert observed["slots_per_engine"] > kv_aware["slots_per_engine"]
     assert (observed["preemptions"], observed["prefix_evictions"]) == (0, 0)
     assert observed["makespan_s"] < kv_aware["makespan_s"]  # bigger batches, same engines
-    for result in (static, kv_aware, observed):
+    live = scheduler_sim.simulate("kv_live", args, tight, reserve="observed")
+    assert (live["preemptions"], live["prefix_evictions"]) == (0, 0)  # never planned past the cache
+    assert live["makespan_s"] < kv_aware["makespan_s"]
+    for result in (static, kv_aware, observed, live):
         assert result["makespan_s"] > 0 and 0 <= result["idle_fraction"] < 1
 
 
@@ -121,7 +156,8 @@ def test_a_replayed_trace_costs_its_prefills_steps_and_tool_waits() -> None:
         TurnTrace(0, context_tokens=115, added_tokens=10, generated_tokens=3, started_at=1.6, ended_at=2.0),
     ]  # fmt: skip
     record = scheduler_sim.replay_record(traces)
-    assert record == [100, [5, 3], [[10, 0.5]]]
+    assert record[:3] == [100, [5, 3], [[10, 0.5]]]
+    assert record[3] == [pytest.approx(0.1)]  # back at 1.0, the tool's 0.5 s, out again at 1.6
     hw = scheduler_sim.Hardware(
         kv_tokens=10_000, step_base_s=0.01, step_per_seq_s=0.0, step_per_context_token_s=0.0,
         prefill_per_token_s=0.001, max_chunk_steps=1,
@@ -129,9 +165,13 @@ def test_a_replayed_trace_costs_its_prefills_steps_and_tool_waits() -> None:
     for scheduler in ("static", "kv_aware"):
         run = {"scheduler": scheduler, "reserve": 200, "rollouts": [record]}
         assert scheduler_sim.replayed(run, 1, hw)["makespan_s"] == pytest.approx(0.69)
+    # The driver's 20 ms at each of its two turns' ends: before the tool call and at the end.
+    driven = dataclasses.replace(hw, turn_overhead_s=0.02)
+    assert scheduler_sim.replayed(run, 1, driven)["makespan_s"] == pytest.approx(0.73)
     # A malformed call answered without the sandbox waits on nothing.
     traces[0].tool_latency_s = None
     assert scheduler_sim.replay_record(traces)[2] == [[10, 0.0]]
+    assert scheduler_sim.replay_record(traces)[3] == [pytest.approx(0.6)]
 
 
 def test_kv_aware_sends_a_dead_engines_rollouts_to_the_others_first() -> None:
@@ -156,3 +196,33 @@ def test_static_deals_a_dead_engines_rollouts_over_the_rest() -> None:
     assert len(admitted) == 6 and scheduler.drop_engine(1) == [1, 3, 4]
     assert scheduler.admit() == [(1, 2), (3, 2), (4, 2)]
     assert scheduler.drop_engine(1) == []  # dropped once: what a second report of it finds
+
+
+def test_the_pool_fit_recovers_the_costs_its_runs_were_stepped_at() -> None:
+    import engine_calibration
+
+    cost = {"step_base_s": 3e-3, "step_per_seq_s": 1e-4, "step_per_context_token_s": 3e-7, "prefill_per_token_s": 4e-5}
+    runs = []
+    for k in range(6):
+        # Two engines; rollouts of a 50 + 10k-token prompt, a turn of 20 + 5k tokens, a tool's 7
+        # tokens, then a 9-token turn: the sums below, by hand, for each engine's rollouts.
+        rollouts = [[50 + 10 * k, [20 + 5 * k, 9], [[7, 0.01]], [0.001], e] for e in (0, 0, 1)]
+        steps = [40 + 13 * k, 25 + 3 * k * k]
+        engine_steps = []
+        for engine, n in enumerate(steps):
+            mine = [r for r in rollouts if r[4] == engine]
+            prompt, first = 50 + 10 * k, 20 + 5 * k
+            seqs = len(mine) * (first + 9)
+            context = len(mine) * (first * prompt + first * (first - 1) / 2 + 9 * (prompt + first + 7) + 36)
+            prefilled = len(mine) * (prompt + 7)
+            busy = engine_calibration.predicted(cost, seqs, context, prefilled, steps=n)
+            engine_steps.append({"busy_s": busy, "steps": n})
+        runs.append({"policy": "static", "preemptions": 0, "engine_steps": engine_steps, "rollouts": rollouts})
+    runs.append({**runs[0], "preemptions": 3, "engine_steps": [{"busy_s": 99.0, "steps": 1}] * 2})  # left out
+    rows = engine_calibration.pool_rows({"workloads": [{"label": "w", "runs": runs}]})
+    assert len(rows) == 12
+    # The per-token terms from the engine alone; the per-step and per-request ones from the pool.
+    alone = {**cost, "step_base_s": 1.0, "step_per_seq_s": 1.0}
+    fitted = engine_calibration.fit_pool(rows, alone)
+    for term, value in cost.items():
+        assert fitted[term] == pytest.approx(value, rel=1e-6)

@@ -74,8 +74,10 @@ class EnginesConfig(ActorResources):
     # most of a tiny model's step is vLLM's Python bookkeeping (bench/rollout_bench.py).
     threads: int = Field(1, ge=1)
     # kv_aware: admit per engine only what its KV cache holds at full length (the paper's
-    # scheduler, never released); static: split every rollout evenly up front (the baseline).
-    scheduler: Literal["kv_aware", "static"] = "kv_aware"
+    # scheduler, never released); static: split every rollout evenly up front (the baseline);
+    # kv_live (ours): admit on what each engine's rollouts hold now, each at least its reserve,
+    # up to kv_overcommit x the engine's cache (tasks/rollout/scheduler.py).
+    scheduler: Literal["kv_aware", "kv_live", "static"] = "kv_aware"
     # What kv_aware sets aside per rollout. max_length: prompt + the whole response budget (the
     # paper; no engine can overflow). observed (ours): kv_headroom x the mean size of the
     # previous batch's rollouts. bench/scheduler_sim.py, 3 seeds, at 419K KV tokens an engine
@@ -84,6 +86,11 @@ class EnginesConfig(ActorResources):
     # paper's: 19-22%). On the tiny CPU pool both lose to static (docs/benchmarks.md).
     kv_reserve: Literal["max_length", "observed"] = "max_length"
     kv_headroom: float = Field(1.3, ge=1.0)
+    # kv_live: how far past its KV cache an engine is planned, its own scheduler preempting
+    # what overflows. 1 where a preemption's recompute is dear (a large model on a GPU: the paper
+    # config); more where it is cheap (a small model whose decode step costs about the same for 4
+    # or 20 sequences). Chosen by bench/rollout_bench.py and bench/scheduler_sim.py.
+    kv_overcommit: float = Field(1.0, ge=1.0)
 
 
 class SandboxConfig(ActorResources):

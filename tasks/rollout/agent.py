@@ -161,7 +161,9 @@ class _Batch:
         self.times.kv_reserve_tokens = reserve_tokens(
             cfg.kv_reserve, full_length, engines.last_rollout_sizes, cfg.kv_headroom
         )
-        self.scheduler = make_scheduler(cfg.scheduler, engines.kv_tokens, self.times.kv_reserve_tokens, to_draw)
+        self.scheduler = make_scheduler(
+            cfg.scheduler, engines.kv_tokens, self.times.kv_reserve_tokens, to_draw, cfg.kv_overcommit
+        )
         for engine, serving in enumerate(engines.serving):
             if not serving:
                 self.scheduler.drop_engine(engine)
@@ -285,6 +287,7 @@ class _Batch:
             action = end_turn(
                 traj, turn.token_ids, text, turn.finish_reason, self.spec, self.tool_call_close, turn.logprobs
             )
+            self.scheduler.resize(index, traj.tokens)
             if action is None:
                 self.end_rollout(index)
             elif isinstance(action, ToolCallError):
@@ -315,6 +318,7 @@ class _Batch:
             text = tool_response_text(render_tool_result(result, self.spec.tool_response_chars))
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             traj.extend(ids, text, trainable=False)
+            self.scheduler.resize(index, traj.tokens)
             traj.turn_traces[-1].tool_latency_s, traj.turn_traces[-1].tool_response_tokens = record.latency_s, len(ids)
             if index in self.engine_of:  # else its engine died: it goes on once admitted elsewhere
                 self.submit_turn(index)

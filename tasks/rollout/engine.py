@@ -76,6 +76,7 @@ class Engine:
         self.llm = None
         self.busy_s = 0.0  # time spent in step(): what is left of the wall time, it sat idle
         self.preemptions = 0  # running requests evicted from the KV cache (to be recomputed)
+        self.steps = 0  # steps taken: busy_s / steps is the step's cost where the engine runs
         # Which weights it holds: 0, those it started from; then what each load says it loaded.
         self.weights_version = 0
 
@@ -122,9 +123,10 @@ class Engine:
         scheduler._preempt_request = counted
 
     def stats(self) -> dict:
-        """Seconds spent generating and preemptions so far; the threads and cores it runs on."""
+        """Seconds spent generating, steps and preemptions so far; the threads and cores it runs on."""
         return {
             "busy_s": self.busy_s,
+            "steps": self.steps,
             "preemptions": self.preemptions,
             "threads": torch.get_num_threads(),
             "cores": available_cores(),
@@ -180,6 +182,7 @@ class Engine:
         finished = []
         outputs = self._core.step()
         self.busy_s += time.perf_counter() - started
+        self.steps += 1
         for output in outputs:
             if output.finished:
                 completion = output.outputs[0]

@@ -79,6 +79,10 @@ class KVAwareScheduler:
             started.append((rollout, engine))
         return started
 
+    def resize(self, rollout: int, tokens: int) -> None:
+        """The rollout's live size, as the driver learns it at a turn's end: this policy plans on
+        reserves only."""
+
     def finish(self, rollout: int) -> None:
         self.running[self.engine_of.pop(rollout)] -= 1
 
@@ -89,6 +93,63 @@ class KVAwareScheduler:
             del self.engine_of[rollout]
         self.slots[engine] = self.running[engine] = 0
         self.waiting.extendleft(reversed(moved))
+        return moved
+
+
+class LiveKVScheduler(KVAwareScheduler):
+    """KV-aware admission on what each engine's rollouts hold now. A rollout counts at the larger
+    of its reserve and its live size (prompt, everything generated and every tool result so far,
+    as the driver learns it at each turn's end), so one that outgrows its reserve blocks
+    admissions on its engine until rollouts end there, and one still short of it keeps its
+    reserve for the growth to come. An engine admits while that sum plus a new reserve fits in
+    `overcommit` x its KV cache: 1 never plans past the cache (a preemption recomputes a whole
+    context, dear on a large model: the paper's regime), more trusts the engine to preempt
+    (cheap where a small model's decode step costs about the same for 4 or 20 sequences). Each
+    rollout goes to the engine with the most room, from one global queue, and stays there."""
+
+    def __init__(self, kv_tokens: list[int], reserve: int, rollouts: Iterable[int], overcommit: float = 1.0):
+        if overcommit < 1:
+            raise ValueError(f"KV overcommit must be at least 1, got {overcommit}")
+        super().__init__(kv_tokens, reserve, rollouts)
+        self.reserve = reserve
+        self.room = [overcommit * kv for kv in kv_tokens]
+        self.held = [0] * len(kv_tokens)  # per engine: sum of max(reserve, live size) of its rollouts
+        self.size: dict[int, int] = {}
+
+    def admit(self, only: Callable[[int], bool] | None = None) -> list[tuple[int, int]]:
+        started = []
+        for rollout in [r for r in self.waiting if only is None or only(r)]:
+            engine = max(range(len(self.room)), key=lambda e: (self.room[e] - self.held[e], -e))
+            if self.held[engine] + self.reserve > self.room[engine]:
+                break
+            if only is None:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(rollout)
+            self.running[engine] += 1
+            self.held[engine] += self.reserve
+            self.engine_of[rollout] = engine
+            self.size[rollout] = 0
+            started.append((rollout, engine))
+        return started
+
+    def resize(self, rollout: int, tokens: int) -> None:
+        if rollout not in self.engine_of:
+            return
+        before = max(self.reserve, self.size[rollout])
+        self.size[rollout] = tokens
+        self.held[self.engine_of[rollout]] += max(self.reserve, tokens) - before
+
+    def finish(self, rollout: int) -> None:
+        engine = self.engine_of[rollout]
+        self.held[engine] -= max(self.reserve, self.size.pop(rollout))
+        super().finish(rollout)
+
+    def drop_engine(self, engine: int) -> list[int]:
+        moved = super().drop_engine(engine)
+        for rollout in moved:
+            del self.size[rollout]
+        self.room[engine] = self.held[engine] = 0
         return moved
 
 
@@ -105,6 +166,10 @@ class StaticScheduler:
         self.pending = [(r, e) for r, e in self.pending if not (only is None or only(r))]
         self.engine_of.update(started)
         return started
+
+    def resize(self, rollout: int, tokens: int) -> None:
+        """The rollout's live size, as the driver learns it at a turn's end: the engines' own
+        schedulers see it."""
 
     def finish(self, rollout: int) -> None:
         self.engine_of.pop(rollout, None)
@@ -125,10 +190,12 @@ class StaticScheduler:
 
 
 def make_scheduler(
-    policy: str, kv_tokens: list[int], reserve: int, rollouts: Iterable[int]
+    policy: str, kv_tokens: list[int], reserve: int, rollouts: Iterable[int], overcommit: float = 1.0
 ) -> KVAwareScheduler | StaticScheduler:
     if policy == "kv_aware":
         return KVAwareScheduler(kv_tokens, reserve, rollouts)
+    if policy == "kv_live":
+        return LiveKVScheduler(kv_tokens, reserve, rollouts, overcommit)
     if policy == "static":
         return StaticScheduler(len(kv_tokens), rollouts)
-    raise ValueError(f"unknown scheduler policy {policy!r}; expected 'kv_aware' or 'static'")
+    raise ValueError(f"unknown scheduler policy {policy!r}; expected 'kv_aware', 'kv_live' or 'static'")
