@@ -48,7 +48,7 @@ from tasks.config import default_config_path, load_config  # noqa: E402
 from tasks.rollout.engine import Engine, configure_cpu_runtime  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scheduler_sim import ENGINE_COSTS  # noqa: E402  (in the order of fit()'s columns)
+from scheduler_sim import ENGINE_COSTS, PromptSharing  # noqa: E402  (ENGINE_COSTS: fit()'s columns)
 
 KV_GIB = 2.0
 
@@ -114,16 +114,26 @@ def pool_rows(trace: dict) -> list[tuple[str, str, float, list[float]]]:
     --trace-out): (workload, policy, seconds it stepped, [steps, request-steps, context tokens
     attended, tokens prefilled]), the sums the engine model's terms multiply. Request-steps are
     the tokens generated (one per running request a step); a turn of g tokens from a context of
-    c attends to g x c + g (g - 1) / 2; what is prefilled is each turn's new tokens (the prompt,
-    then the tool's answer: the rest is in the prefix cache)."""
+    c attends to g x c + g (g - 1) / 2; what is prefilled is each turn's new tokens (the tool's
+    answer: the rest is in the prefix cache), and of a prompt what no earlier rollout on its
+    engine holds: its group's whole blocks, else the common prefix's (as --replay shares them)."""
     rows = []
     for workload in trace["workloads"]:
+        sharing = PromptSharing(workload["group_size"], workload["block_size"], workload["common_prefix_tokens"])
         for run in workload["runs"]:
             if run["preemptions"]:
                 continue  # what it recomputed is not in the traces
             sums = [[float(engine["steps"]), 0.0, 0.0, 0.0] for engine in run["engine_steps"]]
-            for prompt, turns, tools, _, engine in run["rollouts"]:
-                context, added = 0, [prompt] + [tokens for tokens, _ in tools]
+            groups_on: list[set[int]] = [set() for _ in sums]  # the groups each engine has prefilled
+            for index, (prompt, turns, tools, _, engine) in enumerate(run["rollouts"]):
+                group = index // sharing.group_size
+                if group in groups_on[engine]:
+                    cached = sharing.whole_blocks(prompt)
+                else:
+                    cached = sharing.whole_blocks(min(prompt, sharing.common_tokens)) if groups_on[engine] else 0
+                groups_on[engine].add(group)
+                context, added = 0, [prompt - cached] + [tokens for tokens, _ in tools]
+                context += cached
                 for generated, new in zip(turns, added):
                     context += new
                     row = sums[engine]

@@ -315,8 +315,22 @@ def scheduling(model_dir: Path, args: argparse.Namespace) -> tuple[dict[str, lis
                 results[label].append(
                     (times, tokens, turns, batch, [replay_record(t.turn_traces) for t in trajectories], steps)
                 )
-        layout = {"kv_tokens": pool.kv_tokens, "max_num_seqs": cfg.max_num_seqs}
+        layout = {
+            "kv_tokens": pool.kv_tokens,
+            "max_num_seqs": cfg.max_num_seqs,
+            "group_size": args.samples,
+            "block_size": cfg.block_size,
+            "common_prefix_tokens": common_prefix([t.prompt_ids for t in trajectories]),
+        }
     return results, layout
+
+
+def common_prefix(sequences: list[list[int]]) -> int:
+    """How many tokens every sequence starts with (the prompts' system part)."""
+    first = sequences[0]
+    return next(
+        (i for i in range(len(first)) if any(len(seq) <= i or seq[i] != first[i] for seq in sequences)), len(first)
+    )
 
 
 def mean_batch(trajectories, makespan_s: float, engines: int) -> float:

@@ -26,9 +26,10 @@ The engine model, one vLLM engine per GPU (assumptions, with where the numbers c
   max_num_seqs running). When the running ones outgrow the cache it first drops cached prefixes
   of rollouts waiting on a tool (least recently used), then preempts the latest-admitted
   running rollout; both recompute their whole context when they run again.
-- Each rollout's prompt holds KV of its own. vLLM's prefix cache shares a prompt's blocks among
-  the rollouts of its group, which this model does not: replayed, the real pool's large batches
-  (static, kv_live) take up to twice the real steps (docs/benchmarks.md, 2026-12-03).
+- Sampled rollouts each hold their prompt's KV. Replayed ones share, as vLLM's prefix cache
+  does, the whole blocks of their prompt with the rest of their group on the same engine, and
+  the whole blocks of the prefix every prompt starts with (the system prompt) with every rollout
+  there; what is not in whole blocks is counted per token.
 - A rollout's turn ends its request; while its tool runs, its KV stays in the prefix cache (so
   the next turn only prefills the tool response) unless evicted.
 
@@ -111,6 +112,9 @@ class Rollout:
     turn: int = 0
     context: int = 0  # tokens of the sequence so far (valid while not running)
     resident: int = 0  # of those, how many are in the engine's KV cache
+    group: int = -1  # rollouts of one group share their prompt's KV on an engine; -1: none
+    group_prefix: int = 0  # tokens of the prompt its group shares (whole blocks)
+    common_prefix: int = 0  # tokens of it every rollout shares (whole blocks)
     engine: int = -1
     admit_tick: int = 0
     admit_context: int = 0
@@ -161,6 +165,8 @@ class Engine:
     running: dict = field(default_factory=dict)  # rollout id -> None, in admission order
     finish_heap: list = field(default_factory=list)  # (end tick, version, rollout id)
     tool_wait: dict = field(default_factory=dict)  # rollout id -> None, least recently used first
+    holders: dict = field(default_factory=dict)  # group -> its rollouts holding KV here (its prompt's once)
+    holding: int = 0  # rollouts holding KV here (the common prefix's once)
     tick: int = 0  # decode steps taken
     used: int = 0  # KV tokens held: running contexts + cached prefixes of tool waiters
     running_context: int = 0
@@ -204,16 +210,40 @@ class Simulation:
             self.engines[e].queue.append(rid)
             self.wake(e)
 
+    @staticmethod
+    def shared_prompt(engine: Engine, r: Rollout) -> int:
+        """Of a rollout that holds no KV, the prompt tokens others already hold on the engine
+        (vLLM's prefix cache shares their blocks): its group's prefix, else the common one."""
+        if r.group < 0:
+            return 0
+        return r.group_prefix if engine.holders.get(r.group) else r.common_prefix if engine.holding else 0
+
+    @staticmethod
+    def release(engine: Engine, r: Rollout) -> int:
+        """The rollout's KV dropped: the tokens freed (of its prompt, only what no other rollout on
+        the engine shares)."""
+        freed = r.resident
+        if r.group >= 0:
+            engine.holders[r.group] -= 1
+            engine.holding -= 1
+            if not engine.holders[r.group]:
+                del engine.holders[r.group]
+            freed -= Simulation.shared_prompt(engine, r)  # what the others still hold of it
+        engine.used -= freed
+        r.resident = 0
+        return freed
+
+    def to_cache(self, engine: Engine, r: Rollout) -> int:
+        """The tokens a queued rollout's next turn adds to the engine's cache, and prefills."""
+        return r.context - r.resident - (0 if r.resident else self.shared_prompt(engine, r))
+
     def evict_prefix(self, engine: Engine) -> bool:
         """Drop the least recently used cached prefix of a rollout that is not running."""
         if not engine.tool_wait:
             return False
         rid = next(iter(engine.tool_wait))
         del engine.tool_wait[rid]
-        r = self.rollouts[rid]
-        engine.used -= r.resident
-        engine.recomputed_tokens += r.resident
-        r.resident = 0
+        engine.recomputed_tokens += self.release(engine, self.rollouts[rid])
         engine.prefix_evictions += 1
         return True
 
@@ -224,9 +254,8 @@ class Simulation:
         r.turns[r.turn] -= context - r.admit_context  # the part of the turn already generated
         r.context, r.version = context, r.version + 1
         engine.running_context -= context
-        engine.used -= context
-        engine.recomputed_tokens += context
-        r.resident = 0
+        r.resident = context
+        engine.recomputed_tokens += self.release(engine, r)
         engine.preemptions += 1
         engine.queue.appendleft(rid)
 
@@ -236,16 +265,18 @@ class Simulation:
         while engine.queue and len(engine.running) < self.hw.max_num_seqs:
             rid = engine.queue[0]
             r = self.rollouts[rid]
-            need = r.context - r.resident + 1
-            while engine.used + need > self.hw.kv_tokens and self.evict_prefix(engine):
-                need = r.context - r.resident + 1
-            if engine.used + need > self.hw.kv_tokens:
+            while engine.used + self.to_cache(engine, r) + 1 > self.hw.kv_tokens and self.evict_prefix(engine):
+                pass
+            if engine.used + self.to_cache(engine, r) + 1 > self.hw.kv_tokens:
                 break
             engine.queue.popleft()
             engine.tool_wait.pop(rid, None)
-            new = r.context - r.resident
+            new = self.to_cache(engine, r)
             prefill += new
             engine.used += new
+            if not r.resident and r.group >= 0:
+                engine.holders[r.group] = engine.holders.get(r.group, 0) + 1
+                engine.holding += 1
             r.resident = r.context
             r.admit_tick, r.admit_context = engine.tick, r.context
             engine.running[rid] = None
@@ -306,8 +337,7 @@ class Simulation:
                 engine.tool_wait[rid] = None  # its KV stays cached while the tool runs
                 self.push(self.driver_free + r.tools[r.turn][1], "tool", rid)
             else:
-                engine.used -= r.resident
-                r.resident = 0
+                self.release(engine, r)
                 self.done += 1
                 self.scheduler.finish(rid)
 
@@ -392,11 +422,33 @@ def replay_record(traces: list) -> list:
     return [traces[0].added_tokens, [t.generated_tokens for t in traces], tools, gaps, traces[0].engine]
 
 
-def replayed(run: dict, engines: int, hw: Hardware) -> dict:
-    """One measured run's rollouts (replay records) simulated under the run's own policy and reserve."""
+@dataclass(frozen=True)
+class PromptSharing:
+    """How a measured batch's prompts shared KV blocks: `group_size` rollouts of a problem after
+    another, all starting with the same `common_tokens`, cached in blocks of `block_size`."""
+
+    group_size: int
+    block_size: int
+    common_tokens: int
+
+    def whole_blocks(self, tokens: int) -> int:
+        return tokens // self.block_size * self.block_size
+
+
+def replayed(run: dict, engines: int, hw: Hardware, sharing: PromptSharing) -> dict:
+    """One measured run's rollouts (replay records, in the batch's order) simulated under the
+    run's own policy and reserve."""
     rollouts = [
-        Rollout(prompt, list(turns), [tuple(t) for t in tools], context=prompt)
-        for prompt, turns, tools, *_ in run["rollouts"]
+        Rollout(
+            prompt,
+            list(turns),
+            [tuple(t) for t in tools],
+            context=prompt,
+            group=index // sharing.group_size,
+            group_prefix=sharing.whole_blocks(prompt),
+            common_prefix=sharing.whole_blocks(min(prompt, sharing.common_tokens)),
+        )
+        for index, (prompt, turns, tools, *_) in enumerate(run["rollouts"])
     ]
     overcommit = run["overcommit"] if run["scheduler"] == "kv_live" else 1.0
     return Simulation(rollouts, engines, hw, run["scheduler"], max(1, run["reserve"]), overcommit).run()
@@ -433,6 +485,7 @@ def replay(trace_path: Path, hardware_path: Path, driver: bool = True) -> None:
         kv = workload["kv_tokens"]
         overhead = turn_overhead(workload) if driver else 0.0
         hw = calibrated(hardware_path, min(kv), workload["max_num_seqs"], overhead)
+        sharing = PromptSharing(workload["group_size"], workload["block_size"], workload["common_prefix_tokens"])
         print(
             f"\n{workload['label']}: {len(kv)} engine(s) of {min(kv)} KV tokens; "
             f"the driver {overhead * 1e3:.1f} ms a turn"
@@ -443,7 +496,7 @@ def replay(trace_path: Path, hardware_path: Path, driver: bool = True) -> None:
         )
         cells: dict[str, list[tuple[float, float]]] = {}
         for run in workload["runs"]:
-            sim = replayed(run, len(kv), hw)
+            sim = replayed(run, len(kv), hw, sharing)
             real = run["makespan_s"]
             cells.setdefault(run["policy"], []).append((real, sim["makespan_s"]))
             print(

@@ -162,12 +162,13 @@ def test_a_replayed_trace_costs_its_prefills_steps_and_tool_waits() -> None:
         kv_tokens=10_000, step_base_s=0.01, step_per_seq_s=0.0, step_per_context_token_s=0.0,
         prefill_per_token_s=0.001, max_chunk_steps=1,
     )  # fmt: skip
+    alone = scheduler_sim.PromptSharing(group_size=1, block_size=1, common_tokens=0)
     for scheduler in ("static", "kv_aware"):
         run = {"scheduler": scheduler, "reserve": 200, "rollouts": [record]}
-        assert scheduler_sim.replayed(run, 1, hw)["makespan_s"] == pytest.approx(0.69)
+        assert scheduler_sim.replayed(run, 1, hw, alone)["makespan_s"] == pytest.approx(0.69)
     # The driver's 20 ms at each of its two turns' ends: before the tool call and at the end.
     driven = dataclasses.replace(hw, turn_overhead_s=0.02)
-    assert scheduler_sim.replayed(run, 1, driven)["makespan_s"] == pytest.approx(0.73)
+    assert scheduler_sim.replayed(run, 1, driven, alone)["makespan_s"] == pytest.approx(0.73)
     # A malformed call answered without the sandbox waits on nothing.
     traces[0].tool_latency_s = None
     assert scheduler_sim.replay_record(traces)[2] == [[10, 0.0]]
@@ -206,6 +207,7 @@ def test_the_pool_fit_recovers_the_costs_its_runs_were_stepped_at() -> None:
     for k in range(6):
         # Two engines; rollouts of a 50 + 10k-token prompt, a turn of 20 + 5k tokens, a tool's 7
         # tokens, then a 9-token turn: the sums below, by hand, for each engine's rollouts.
+        # Rollouts 0 and 1 are a group on engine 0: its prompt is prefilled once there.
         rollouts = [[50 + 10 * k, [20 + 5 * k, 9], [[7, 0.01]], [0.001], e] for e in (0, 0, 1)]
         steps = [40 + 13 * k, 25 + 3 * k * k]
         engine_steps = []
@@ -214,15 +216,41 @@ def test_the_pool_fit_recovers_the_costs_its_runs_were_stepped_at() -> None:
             prompt, first = 50 + 10 * k, 20 + 5 * k
             seqs = len(mine) * (first + 9)
             context = len(mine) * (first * prompt + first * (first - 1) / 2 + 9 * (prompt + first + 7) + 36)
-            prefilled = len(mine) * (prompt + 7)
+            prefilled = prompt + len(mine) * 7
             busy = engine_calibration.predicted(cost, seqs, context, prefilled, steps=n)
             engine_steps.append({"busy_s": busy, "steps": n})
         runs.append({"policy": "static", "preemptions": 0, "engine_steps": engine_steps, "rollouts": rollouts})
     runs.append({**runs[0], "preemptions": 3, "engine_steps": [{"busy_s": 99.0, "steps": 1}] * 2})  # left out
-    rows = engine_calibration.pool_rows({"workloads": [{"label": "w", "runs": runs}]})
+    workload = {"label": "w", "group_size": 2, "block_size": 1, "common_prefix_tokens": 0, "runs": runs}
+    rows = engine_calibration.pool_rows({"workloads": [workload]})
     assert len(rows) == 12
     # The per-token terms from the engine alone; the per-step and per-request ones from the pool.
     alone = {**cost, "step_base_s": 1.0, "step_per_seq_s": 1.0}
     fitted = engine_calibration.fit_pool(rows, alone)
     for term, value in cost.items():
         assert fitted[term] == pytest.approx(value, rel=1e-6)
+
+
+def test_rollouts_share_their_groups_and_the_common_prompt_blocks_on_an_engine() -> None:
+    # Two rollouts of one 100-token prompt, 10 tokens each, on one engine of 125 KV tokens: 1 ms a
+    # prefilled token, 10 ms a step. Shared, both run at once and the prompt is prefilled once:
+    # 0.1 + 10 x 0.01 = 0.2 s. Each with its own prompt, the second waits for the first: 0.4 s.
+    hw = scheduler_sim.Hardware(
+        kv_tokens=125, step_base_s=0.01, step_per_seq_s=0.0, step_per_context_token_s=0.0,
+        prefill_per_token_s=0.001, max_chunk_steps=1,
+    )  # fmt: skip
+    run = {"scheduler": "static", "reserve": 110, "rollouts": [[100, [10], [], [], 0]] * 2}
+    group = scheduler_sim.PromptSharing(group_size=2, block_size=1, common_tokens=0)
+    assert scheduler_sim.replayed(run, 1, hw, group)["makespan_s"] == pytest.approx(0.2)
+    own = scheduler_sim.PromptSharing(group_size=1, block_size=1, common_tokens=0)
+    assert scheduler_sim.replayed(run, 1, hw, own)["makespan_s"] == pytest.approx(0.4)
+    # Two groups whose prompts start with the same 96 tokens, in blocks of 32: the second holds 4
+    # of its own, so both fit (100 + 10 + 4 + 10 = 124) and it prefills 4: 0.104 + 0.1 s.
+    common = scheduler_sim.PromptSharing(group_size=1, block_size=32, common_tokens=99)
+    assert scheduler_sim.replayed(run, 1, hw, common)["makespan_s"] == pytest.approx(0.204)
+    # Preempted, evicted or ended, every token held comes back: nothing leaks.
+    rollouts = [scheduler_sim.Rollout(100, [20], [], context=100, group=0, group_prefix=100) for _ in range(2)]
+    sim = scheduler_sim.Simulation(rollouts, 1, hw, "static", 110)
+    result = sim.run()
+    assert result["preemptions"] > 0  # 100 + 20 + 20 outgrow the 125, one alone does not
+    assert (sim.engines[0].used, sim.engines[0].holders, sim.engines[0].holding) == (0, {}, 0)
