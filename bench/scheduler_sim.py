@@ -26,10 +26,10 @@ The engine model, one vLLM engine per GPU (assumptions, with where the numbers c
   max_num_seqs running). When the running ones outgrow the cache it first drops cached prefixes
   of rollouts waiting on a tool (least recently used), then preempts the latest-admitted
   running rollout; both recompute their whole context when they run again.
-- Sampled rollouts each hold their prompt's KV. Replayed ones share, as vLLM's prefix cache
-  does, the whole blocks of their prompt with the rest of their group on the same engine, and
-  the whole blocks of the prefix every prompt starts with (the system prompt) with every rollout
-  there; what is not in whole blocks is counted per token.
+- Prompt KV is shared as vLLM's prefix cache shares it: a group's rollouts (`--samples` of a
+  problem) share its prompt's whole blocks (16 tokens on a GPU) on the engine they run on;
+  replayed ones also share the whole blocks of the prefix every prompt starts with (the system
+  prompt) with every rollout there. What is not in whole blocks is counted per token.
 - A rollout's turn ends its request; while its tool runs, its KV stays in the prefix cache (so
   the next turn only prefills the tool response) unless evicted.
 
@@ -122,9 +122,21 @@ class Rollout:
     last_used: float = 0.0
 
 
+# vLLM's KV block on a GPU: a prompt's whole blocks are what a group's rollouts share.
+GPU_BLOCK_TOKENS = 16
+
+
 def sample_rollouts(
-    n: int, max_response: int, max_turns: int, turn_median: int, latencies: list[float] | None, seed: int
+    n: int,
+    max_response: int,
+    max_turns: int,
+    turn_median: int,
+    latencies: list[float] | None,
+    seed: int,
+    group_size: int = 1,
 ) -> list[Rollout]:
+    """`n` rollouts, `group_size` of a problem after another: they share its prompt, and on an
+    engine its whole KV blocks."""
     rng = random.Random(seed)
 
     def tool_latency() -> float:
@@ -138,8 +150,9 @@ def sample_rollouts(
         return DEFAULT_TOOL_LATENCY[-1][1]
 
     rollouts = []
-    for _ in range(n):
-        prompt = int(500 * rng.lognormvariate(0, 0.3))
+    for index in range(n):
+        drawn = int(500 * rng.lognormvariate(0, 0.3))  # drawn for each, so the draws after it stay put
+        prompt = drawn if index % group_size == 0 else rollouts[-1].prompt
         turns: list[int] = []
         tools: list[tuple[int, float]] = []
         used = 0
@@ -154,7 +167,9 @@ def sample_rollouts(
                 break
             tools.append((response, tool_latency()))
             used += response
-        rollouts.append(Rollout(prompt, turns, tools, context=prompt))
+        shared = prompt // GPU_BLOCK_TOKENS * GPU_BLOCK_TOKENS
+        group = index // group_size if group_size > 1 else -1
+        rollouts.append(Rollout(prompt, turns, tools, context=prompt, group=group, group_prefix=shared))
     return rollouts
 
 
@@ -385,7 +400,13 @@ def simulate(policy: str, args: argparse.Namespace, hw: Hardware, reserve: str =
 
     def sample(seed: int) -> list[Rollout]:
         return sample_rollouts(
-            args.prompts * args.samples, args.max_response, args.max_turns, args.turn_median, latencies, seed
+            args.prompts * args.samples,
+            args.max_response,
+            args.max_turns,
+            args.turn_median,
+            latencies,
+            seed,
+            group_size=args.samples,
         )
 
     rollouts = sample(args.seed)
@@ -519,7 +540,7 @@ def async_estimate(args: argparse.Namespace) -> None:
     module's docstring for the assumptions)."""
     hw = Hardware(kv_tokens=419_430)
     rollouts = sample_rollouts(
-        args.prompts * args.samples, args.max_response, args.max_turns, args.turn_median, None, args.seed
+        args.prompts * args.samples, args.max_response, args.max_turns, args.turn_median, None, args.seed, args.samples
     )
     sizes = [r.prompt + sum(r.turns) + sum(t for t, _ in r.tools) for r in rollouts]
     previous = sample_rollouts(len(rollouts), args.max_response, args.max_turns, args.turn_median, None, args.seed + 1)
@@ -535,7 +556,10 @@ def async_estimate(args: argparse.Namespace) -> None:
         return trained_tokens * flops_per_token(14e9, checkpointing=True) / (gpus * args.update_tflops * 1e12)
 
     def rollout_s(engines: int, kv_tokens: int = hw.kv_tokens) -> float:
-        fresh = [Rollout(r.prompt, r.turns, r.tools, context=r.prompt) for r in rollouts]
+        fresh = [
+            Rollout(r.prompt, r.turns, r.tools, context=r.prompt, group=r.group, group_prefix=r.group_prefix)
+            for r in rollouts
+        ]
         return Simulation(fresh, engines, Hardware(kv_tokens=kv_tokens), "kv_aware", reserve).run()["makespan_s"]
 
     sync_s = 28e9 / (args.sync_gbps * 1e9)

@@ -128,7 +128,7 @@ def test_simulation_finishes_every_rollout_and_kv_aware_never_evicts() -> None:
             overcommit=1.0,
         ),
     )
-    tight = scheduler_sim.Hardware(kv_tokens=40_000)
+    tight = scheduler_sim.Hardware(kv_tokens=30_000)
     static = scheduler_sim.simulate("static", args, tight)
     kv_aware = scheduler_sim.simulate("kv_aware", args, tight)
     assert static["preemptions"] + static["prefix_evictions"] > 0
