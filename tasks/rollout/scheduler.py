@@ -1,9 +1,10 @@
-"""Which engine runs which rollout, and when: the KV-cache-aware policy and the static baseline.
+"""Which engine runs which rollout, and when: the KV-cache-aware policies and the static baseline.
 
 Pure policy over plain numbers (no vLLM, no I/O), so the same code drives the rollout loop over
-real engines and bench/scheduler_sim.py's paper-scale simulation. Both policies share one
+real engines and bench/scheduler_sim.py's paper-scale simulation. The policies share one
 interface: `admit()` returns the (rollout, engine) pairs to start now (`admit(only)`: of the
-rollouts `only` accepts, the others waiting on), `finish(rollout)` says a
+rollouts `only` accepts, the others waiting on), `resize(rollout, tokens)` says what a rollout
+holds after a turn or a tool's answer, `finish(rollout)` says a
 rollout has ended (all its turns), which may free room for others, and `drop_engine(engine)` takes
 an engine that died out of the pool and hands back the rollouts it held, to be admitted again on
 the others. A rollout stays on one engine for all its turns, so each turn finds the previous
@@ -17,6 +18,11 @@ turns in that engine's prefix cache.
   overflow, however long its rollouts grow. `reserve_tokens` (below) can instead reserve what
   rollouts were seen to hold: most end far below the budget, so the paper's rule leaves much of
   the cache empty and batches small.
+- KV-aware on live sizes (`kv_live`, ours): as KV-aware, each rollout counted at the larger of
+  its reserve and what it holds now (`resize()`, at each turn's end), up to an overcommit of
+  each engine's cache: 1 never plans past it, more lets the engine preempt where recomputing is
+  cheap. On the CPU pool at 8 it ties static, where the paper's reserve takes 1.75-2.26x as long;
+  simulated at the paper config at 1 it is 28.5% shorter than static (docs/benchmarks.md).
 - Static: every rollout is split evenly across engines up front (round-robin). Each engine's own
   scheduler then admits what fits in its KV cache now and, when the running rollouts outgrow it,
   evicts some and recomputes them later.
