@@ -178,7 +178,7 @@ def _finished_sft_run(run_dir: Path, cfg) -> Path:
     return run_dir
 
 
-def test_a_run_starts_from_another_runs_sft_policy_only_if_their_configs_differ_in_rl_alone(tmp_path) -> None:
+def test_a_run_starts_from_another_runs_sft_policy_only_if_their_configs_differ_in_rl_or_scheduling(tmp_path) -> None:
     from tasks.config import default_config_path, load_config
     from tasks.store.run_folder import arm_source, sft_run_of, start_from_run
     from tasks.summary.mode_comparison import ablation_command
@@ -200,7 +200,8 @@ def test_a_run_starts_from_another_runs_sft_policy_only_if_their_configs_differ_
     command = ablation_command("configs/tiny.yaml", 1, ["paper"], {"rl.optim.lr": 1e-5}, "b", sft_from="a")
     assert "--name b --sft-from a --set=rl.optim.lr=1e-05" in command
 
-    start_from_run(source, runs / "b-s0-paper", cfg(**{"rl.optim.lr": 1e-5, "rl.roc.mode": "off"}))
+    scheduling = {"engines.scheduler": "kv_live", "engines.kv_overcommit": 8}
+    start_from_run(source, runs / "b-s0-paper", cfg(**{"rl.optim.lr": 1e-5, "rl.roc.mode": "off", **scheduling}))
     target = runs / "b-s0-paper"
     assert (target / "models" / "sft" / "part-0.parquet").read_bytes() == b"rows"
     assert json.loads((target / "state" / "sft.json").read_text())["result"] == str(target / "models" / "sft")

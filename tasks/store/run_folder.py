@@ -53,8 +53,10 @@ PLACEMENT = (
 # What a run starting from another one's policy copies: its records of the stages up to it.
 SHARED_STAGES = {"base": ("curate", "base", "eval-base"), "sft": ("curate", "base", "sft", "eval-base", "eval-sft")}
 # Config fields runs sharing those stages may differ in (the rest trained the shared policies):
-# RL settings, and after SFT where the run's actors sit and how many threads its trainer uses.
-MAY_DIFFER = {"base": ("rl", "sft.mode"), "sft": ("rl", "cluster", "trainer.threads")}
+# RL settings, and after SFT where the run's actors sit, how many threads its trainer uses and
+# how its engines schedule rollouts (when and where each runs, not what it samples).
+SCHEDULING = tuple(f"engines.{f}" for f in ("scheduler", "kv_reserve", "kv_headroom", "kv_overcommit"))
+MAY_DIFFER = {"base": ("rl", "sft.mode"), "sft": ("rl", "cluster", "trainer.threads", *SCHEDULING)}
 
 
 def run_dir(output_dir: str | Path, run_id: str) -> Path:
