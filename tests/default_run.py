@@ -20,7 +20,8 @@ from tests.processes import placed_pids, wait_gone
 from tests.small_run import TINY, run_command
 
 RUN_ID = "default"
-# Base and SFT models are the same in every run of a seed; evaluation and RL samples differ.
+# Runs of a seed are not bit-reproducible: where the copy drills stop can move (seed 0's stopped
+# at 500 in one `make run`, at 475 in another), and evaluation and RL samples differ.
 # Seed 2's RL gained +9.0 to +14.8 points in eight runs with the earlier pretraining layouts
 # (LOG.md, 2026-11-29 RL-gain entry), +16.8 in one with the current ones (SFT 0.477 -> 0.645,
 # LOG.md, 2026-12-03 suite entry); seed 0 (`make run`'s) has gained as little as +3.6 and +4.7,
