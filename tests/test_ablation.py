@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.summary.mode_comparison import compare, write_report
+from tasks.summary.mode_comparison import compare, step_rows, write_report
 from tasks.summary.runs import DRAWN_SHARE, LUCKY_SHARE, RECOVERED_SHARE, RunResult, paired_gain, positive_shares
 
 NAN = math.nan
@@ -127,6 +127,29 @@ def test_report_has_a_row_per_mode_the_command_and_a_png(tmp_path) -> None:
     assert "60% lower (relative); per seed 67% / 50%, mean 58.3 ± 11.8%." in text
     assert "| `roc-s1-off` | base 0.000 -> sft 0.300 -> stage1 0.400 | n/a |" in text
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_step_table_has_a_row_per_step_and_mode_numbered_within_its_stage() -> None:
+    def run(seed: int, mode: str, drawn: list[float], kept: list[float]) -> RunResult:
+        result = _run(seed, mode, 0.2, 0.4, kept)
+        result.steps[DRAWN_SHARE] = drawn
+        result.stage_ends = [2, 3]
+        return result
+
+    rows = step_rows(
+        [
+            run(0, "paper", [0.2, 0.1, NAN], [0.1, NAN, NAN]),
+            run(1, "paper", [0.4, 0.1, NAN], [0.3, NAN, NAN]),
+            run(0, "off", [0.3, 0.2, 0.1], [0.3, 0.2, NAN]),
+        ]
+    )
+    assert rows[0] == "| stage | step | roc mode | drawn | kept | recovered | lucky | length | turns |"
+    assert len(rows) == 2 + 3 * 2
+    assert rows[2] == "| 1 | 0 | paper | 30.0 ± 14.1 | 20.0% | 30.0% | 10.0% | 50.0 | 2.00 |"
+    assert rows[5] == "| 1 | 1 | off | 20.0 ± 0.0 | 20.0% | 30.0% | 10.0% | 50.0 | 2.00 |"
+    # stage 2's first step: no positive in either paper seed, and none kept under off
+    assert rows[6] == "| 2 | 0 | paper | n/a | n/a | 30.0% | 10.0% | 50.0 | 2.00 |"
+    assert rows[7] == "| 2 | 0 | off | 10.0 ± 0.0 | n/a | 30.0% | 10.0% | 50.0 | 2.00 |"
 
 
 @pytest.mark.slow

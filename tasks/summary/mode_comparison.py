@@ -117,11 +117,47 @@ def _percent(stats: tuple[float, float, int]) -> str:
     return format_cell(stats, percent=True)
 
 
+# The per-step table's columns after the drawn share: (metric, header, format of its mean).
+STEP_COLUMNS = (
+    ("roc/kept_pos_tool_error_share", "kept", "{:.1%}"),
+    (RECOVERED_SHARE, "recovered", "{:.1%}"),
+    (LUCKY_SHARE, "lucky", "{:.1%}"),
+    ("response_length_mean", "length", "{:.1f}"),
+    ("turns_mean", "turns", "{:.2f}"),
+)
+
+
+def step_rows(results: list[RunResult]) -> list[str]:
+    """A Markdown table with a row per (RL step, mode), stages numbered from 1: the share of drawn
+    positives with a failed call (mean ± std over seeds, Fig. 4's curve), then the means of the
+    kept share, the recovered and lucky shares, length and turns. A cell without a value in any
+    seed (no positive that step) reads n/a."""
+    lines = [
+        "| stage | step | roc mode | drawn | " + " | ".join(h for _, h, _ in STEP_COLUMNS) + " |",
+        "|---" * (4 + len(STEP_COLUMNS)) + "|",
+    ]
+    modes = {mode: [r for r in results if r.mode == mode] for mode in dict.fromkeys(r.mode for r in results)}
+    ends = next(iter(modes.values()))[0].stage_ends
+    for stage, (start, end) in enumerate(zip([0, *ends], ends), start=1):
+        for step in range(start, end):
+            for mode, runs in modes.items():
+
+                def at(metric: str) -> tuple[float, float, int]:
+                    return mean_std([r.steps[metric][step] for r in runs if step < len(r.steps[metric])])  # noqa: B023
+
+                cells = [_percent(at(DRAWN_SHARE))] + [
+                    "n/a" if not (stats := at(metric))[2] else fmt.format(stats[0]) for metric, _, fmt in STEP_COLUMNS
+                ]
+                lines.append(f"| {stage} | {step - start} | {mode} | {' | '.join(cells)} |")
+    return lines
+
+
 def write_report(results: list[RunResult], out_dir: Path, command: str) -> Path:
     """report.md (per mode: pass@1 after SFT and after RL and the gain; the tool-error shares of
     positives, kept and drawn, early and late in stage 1, recovered and lucky; length and turns;
-    RoC's relative reductions; a row per run with its pass@1 per checkpoint and wall time) and
-    curves.png (each step metric per mode, the seeds' spread shaded), under out_dir."""
+    RoC's relative reductions; those shares, length and turns per RL step and mode; a row per run
+    with its pass@1 per checkpoint and wall time) and curves.png (each step metric per mode, the seeds' spread shaded),
+    under out_dir."""
     numbers = compare(results)
     plot = plot_curves(results, out_dir / "curves.png", STEP_METRICS, "roc")
     seeds = sorted({r.seed for r in results})
@@ -169,7 +205,18 @@ def write_report(results: list[RunResult], out_dir: Path, command: str) -> Path:
             "Among all positives drawn at the end of stage 1, roc paper vs off (learning): "
             + (f"{100 * drawn:.0f}% lower (relative)." if not math.isnan(drawn) else "not measurable."),
         ]
-    lines += ["", *run_rows(results), "", f"![curves]({plot.name})", ""]
+    lines += [
+        "",
+        "Per RL step, mean over seeds: positives with a failed tool call among those drawn (± std), among those "
+        "kept, and the drawn ones that recovered or were lucky; length in tokens and turns of all rollouts drawn.",
+        "",
+        *step_rows(results),
+        "",
+        *run_rows(results),
+        "",
+        f"![curves]({plot.name})",
+        "",
+    ]
     report = write_text("\n".join(lines), out_dir / "report.md")
     print("\n".join(lines))
     return report
