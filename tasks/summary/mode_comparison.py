@@ -156,8 +156,8 @@ def write_report(results: list[RunResult], out_dir: Path, command: str) -> Path:
     """report.md (per mode: pass@1 after SFT and after RL and the gain; the tool-error shares of
     positives, kept and drawn, early and late in stage 1, recovered and lucky; length and turns;
     RoC's relative reductions; those shares, length and turns per RL step and mode; a row per run
-    with its pass@1 per checkpoint and wall time) and curves.png (each step metric per mode, the seeds' spread shaded),
-    under out_dir."""
+    with its pass@1 per checkpoint and wall time) and curves.png (each step metric per mode, the
+    seeds' spread shaded), under out_dir."""
     numbers = compare(results)
     plot = plot_curves(results, out_dir / "curves.png", STEP_METRICS, "roc")
     seeds = sorted({r.seed for r in results})
