@@ -141,15 +141,16 @@ def step_rows(results: list[RunResult]) -> list[str]:
     for stage, (start, end) in enumerate(zip([0, *ends], ends), start=1):
         for step in range(start, end):
             for mode, runs in modes.items():
-
-                def at(metric: str) -> tuple[float, float, int]:
-                    return mean_std([r.steps[metric][step] for r in runs if step < len(r.steps[metric])])  # noqa: B023
-
-                cells = [_percent(at(DRAWN_SHARE))] + [
-                    "n/a" if not (stats := at(metric))[2] else fmt.format(stats[0]) for metric, _, fmt in STEP_COLUMNS
-                ]
+                cells = [_percent(_at_step(runs, DRAWN_SHARE, step))]
+                for metric, _, fmt in STEP_COLUMNS:
+                    mean, _, n = _at_step(runs, metric, step)
+                    cells.append(fmt.format(mean) if n else "n/a")
                 lines.append(f"| {stage} | {step - start} | {mode} | {' | '.join(cells)} |")
     return lines
+
+
+def _at_step(runs: list[RunResult], metric: str, step: int) -> tuple[float, float, int]:
+    return mean_std([r.steps[metric][step] for r in runs if step < len(r.steps[metric])])
 
 
 def write_report(results: list[RunResult], out_dir: Path, command: str) -> Path:
