@@ -22,11 +22,15 @@ printed with its residuals by batch size and written as JSON (`--out`), which
     .venv/bin/python bench/engine_calibration.py --pool trace.json \
         --alone outputs/bench/calibration-bench.json --out calibration-pool.json
 
-`--pool`: the step's fixed and per-request terms fitted instead on the engines of the real pool's
-runs, each run's and engine's stepped seconds and steps (bench/rollout_bench.py --trace-out)
-against the sums of its turns' terms, the per-token terms kept from the engine alone (`--alone`):
-the step's cost where the engine shares its cores with the driver, the sandbox and Ray, which an
-engine alone does not see.
+`--pool`: the engine's cost fitted instead on the engines of the real pool's runs, each run's and
+engine's stepped seconds and steps (bench/rollout_bench.py --trace-out) against the sums of its
+turns' terms: the step's cost where the engine shares its cores with the driver, the sandbox and
+Ray, which an engine alone (`--alone`, this script's `--model` output) does not see.
+`--pool-fit uniform` (the default) scales all four of the engine alone's terms by one factor;
+`terms` refits the step's fixed and per-request terms and keeps the alone's per-token ones. Runs
+with a preemption are left out of either fit (what they recompute is not in the traces). Fitted on
+one run of the benches and replayed on either, `uniform` kept every cell within ±13.7% and
+`terms` within ±15.3% (docs/benchmarks.md, 2026-12-04).
 """
 
 from __future__ import annotations
@@ -166,10 +170,22 @@ def fit_pool(rows: list, alone: dict[str, float]) -> dict[str, float]:
     }
 
 
-def calibrate_on_pool(trace_path: Path, alone_path: Path, out: Path) -> None:
+def fit_pool_uniform(rows: list, alone: dict[str, float]) -> dict[str, float]:
+    """Every term of the engine alone times one factor, fitted like fit_pool: the cores' sharing
+    slowing the whole step alike. One term where fit_pool has two, and the prefill that a
+    preempted rollout recomputes (in runs the fit cannot see) scales with the rest."""
+    share = np.array([predicted(alone, *row[1:], steps=row[0]) / busy for _, _, busy, row in rows])
+    factor = float(share.sum() / (share @ share))
+    return {term: alone[term] * factor for term in ENGINE_COSTS}
+
+
+POOL_FITS = {"terms": fit_pool, "uniform": fit_pool_uniform}
+
+
+def calibrate_on_pool(trace_path: Path, alone_path: Path, out: Path, how: str) -> None:
     rows = pool_rows(json.loads(trace_path.read_text()))
     alone = json.loads(alone_path.read_text())
-    cost = fit_pool(rows, alone)
+    cost = POOL_FITS[how](rows, alone)
     print("alone: " + ", ".join(f"{term} {alone[term]:.3g}" for term in ENGINE_COSTS))
     print(f"{len(rows)} engine runs without a preemption")
     print("fit: " + ", ".join(f"{term} {value:.3g}" for term, value in cost.items()))
@@ -179,7 +195,8 @@ def calibrate_on_pool(trace_path: Path, alone_path: Path, out: Path) -> None:
         real = sum(busy for busy, _ in cell)
         fitted = sum(predicted(cost, *row[1:], steps=row[0]) for _, row in cell)
         print(f"{label[:28]:<28} {policy:<11} {len(cell):>4} {real:>9.2f} {fitted:>7.2f} {fitted / real - 1:>+7.1%}")
-    write(out, {"trace": str(trace_path), "alone": str(alone_path), "engine_runs": len(rows), **cost})
+    record = {"trace": str(trace_path), "alone": str(alone_path), "pool_fit": how, "engine_runs": len(rows)}
+    write(out, record | cost)
 
 
 def write(out: Path, record: dict) -> None:
@@ -200,6 +217,12 @@ def main() -> None:
     which.add_argument("--model", type=Path, help="time an engine of this model alone")
     which.add_argument("--pool", type=Path, help="fit on the real pool's runs instead (rollout_bench --trace-out)")
     parser.add_argument("--alone", type=Path, help="--pool: the engine alone's fit, for its per-token terms")
+    parser.add_argument(
+        "--pool-fit",
+        choices=sorted(POOL_FITS),
+        default="uniform",
+        help="--pool: scale all four of the engine alone's terms alike, or refit the fixed and per-request ones",
+    )
     parser.add_argument("--config", type=Path, default=default_config_path())
     parser.add_argument("--batches", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--lengths", default="64,256,512")
@@ -210,7 +233,7 @@ def main() -> None:
     if args.pool:
         if not args.alone:
             parser.error("--pool needs --alone (this script's --out for an engine of the same model alone)")
-        calibrate_on_pool(args.pool, args.alone, args.out)
+        calibrate_on_pool(args.pool, args.alone, args.out, args.pool_fit)
         return
     configure_cpu_runtime()
     cfg = load_config(args.config, {"engines.kv_cache_gib": KV_GIB})

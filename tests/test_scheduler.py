@@ -199,7 +199,7 @@ def test_static_deals_a_dead_engines_rollouts_over_the_rest() -> None:
     assert scheduler.drop_engine(1) == []  # dropped once: what a second report of it finds
 
 
-def test_the_pool_fit_recovers_the_costs_its_runs_were_stepped_at() -> None:
+def test_either_pool_fit_recovers_the_costs_its_runs_were_stepped_at() -> None:
     import engine_calibration
 
     cost = {"step_base_s": 3e-3, "step_per_seq_s": 1e-4, "step_per_context_token_s": 3e-7, "prefill_per_token_s": 4e-5}
@@ -229,6 +229,11 @@ def test_the_pool_fit_recovers_the_costs_its_runs_were_stepped_at() -> None:
     fitted = engine_calibration.fit_pool(rows, alone)
     for term, value in cost.items():
         assert fitted[term] == pytest.approx(value, rel=1e-6)
+    # Stepped at 1.7x the engine alone's every term: the uniform fit finds the factor.
+    slower = {term: value / 1.7 for term, value in cost.items()}
+    uniform = engine_calibration.fit_pool_uniform(rows, slower)
+    for term, value in cost.items():
+        assert uniform[term] == pytest.approx(value, rel=1e-6)
 
 
 def test_rollouts_share_their_groups_and_the_common_prompt_blocks_on_an_engine() -> None:
