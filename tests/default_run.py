@@ -24,8 +24,9 @@ RUN_ID = "default"
 # at 500 in one `make run`, at 475 in another), and evaluation and RL samples differ.
 # Seed 2's RL gained +9.0 to +14.8 points in eight runs with the earlier pretraining layouts
 # (LOG.md, 2026-11-29 RL-gain entry), +16.8 in one with the current ones (SFT 0.477 -> 0.645,
-# LOG.md, 2026-12-03 suite entry); seed 0 (`make run`'s) has gained as little as +3.6 and +4.7,
-# under the learning test's RL floor.
+# LOG.md, 2026-12-03 suite entry), +20.3 on the 12-step stage 1 (0.418 -> 0.621, LOG.md,
+# 2026-12-07 schedule entry); seed 0 (`make run`'s) has gained as little as +3.6 and +4.7, under
+# the learning test's RL floor.
 SEED = 2
 CREDENTIAL = "the-default-runs-sandbox-credential"  # the run uses $RSTAR2_SANDBOX_TOKEN where it is set
 
