@@ -231,7 +231,7 @@ def test_a_run_starts_from_another_runs_sft_policy_only_if_their_configs_differ_
     assert not (target / "config.json").exists()  # the pipeline writes its own
 
     with pytest.raises(ValueError, match=r"differ in \['seed', 'sft'\]"):
-        start_from_run(source, runs / "c-s1-paper", cfg(seed=1, **{"sft.epochs": 2}))
+        start_from_run(source, runs / "c-s1-paper", cfg(seed=1, **{"sft.epochs": 3}))
     assert not (runs / "c-s1-paper").exists()
 
 
@@ -250,7 +250,7 @@ def test_an_arm_starts_from_another_runs_base_model_if_only_the_sft_mode_or_rl_d
     assert not (target / "models" / "sft").exists() and not (target / "evaluations").exists()
     assert sorted(p.name for p in (target / "state").iterdir()) == ["base.json", "curate.json"]
     with pytest.raises(ValueError, match=r"differ in \['sft'\], and only rl, sft.mode may"):
-        start_from_run(source, runs / "d-s0-reasoning", cfg(**{"sft.mode": "reasoning", "sft.epochs": 2}), "base")
+        start_from_run(source, runs / "d-s0-reasoning", cfg(**{"sft.mode": "reasoning", "sft.epochs": 3}), "base")
 
 
 def test_half_final_step_is_where_the_reward_first_reaches_half_its_final_mean() -> None:
