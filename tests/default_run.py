@@ -1,7 +1,7 @@
 """The default run, once per session: `rstar2 run` of configs/tiny.yaml at a fixed seed, as `make
 run` runs it, reporting to the session's Prefect test server so that its artifacts can be read
 back. The tests that only read a run's outputs share it: the learning test, the pipeline's
-tables, MLflow and Prefect artifacts, the README's queries and the dashboard. About 22 minutes on two cores.
+tables, MLflow and Prefect artifacts, the README's queries and the dashboard. About 10 minutes on two cores.
 `RSTAR2_DEFAULT_RUN=<its output_dir>` reads a finished one instead, for work on those tests."""
 
 import json
@@ -53,7 +53,7 @@ def run_default(output_dir: Path, prefect_api: str) -> DefaultRun:
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
-            timeout=2700,  # ~22 minutes alone on two cores; far more on a shared machine
+            timeout=2700,  # ~10 minutes alone on two cores; far more on a shared machine
         )
         assert done.returncode == 0, log.read_text()[-4000:]
     since = FlowRunFilter(start_time=FlowRunFilterStartTime(after_=began))

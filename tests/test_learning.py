@@ -3,7 +3,7 @@ end SFT able to solve held-out problems and RL must add to that. A green suite o
 a default that scored 0.000; this test is what fails then.
 
 The thresholds are loose on purpose (runs are not bit-reproducible); how far above them runs
-land is in LOG.md. The run (tests/default_run.py, about 22 minutes on two cores) is shared with
+land is in LOG.md. The run (tests/default_run.py, about 10 minutes on two cores) is shared with
 tests/test_pipeline.py.
 
 Run: .venv/bin/python -m pytest tests/test_learning.py -q

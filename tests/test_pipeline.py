@@ -4,7 +4,7 @@ checking what it wrote: tables, MLflow, Prefect artifacts, the README's queries,
 A small run with a second benchmark, the base model's evaluation and a kill in the middle is
 tests/test_resume_pipeline.py's.
 
-Run: .venv/bin/python -m pytest tests/test_pipeline.py -q   (about 22 minutes on 2 cores: the run)
+Run: .venv/bin/python -m pytest tests/test_pipeline.py -q   (about 10 minutes on 2 cores: the run)
 """
 
 import json
