@@ -4,9 +4,10 @@ In stage 1 the 16 samples of one problem often write the same program, and when 
 never ends (a tower of powers, `5**9**9190`) they all run to the wall-clock limit at once. A
 replica runs `workers` programs at a time, so the short calls behind them wait whole timeouts.
 This sends `--hangs` such programs and `--short` short ones (a digit-limit program of the
-default's kinds) as one batch, the hangs first, to a real `SandboxService` per worker count, and
-prints the makespan, the short calls' latency, the replica's memory and the ratio
-against the first worker count (the baseline, measured in the same run).
+default's kinds) as one batch, the hangs first, to a real `SandboxService` per worker count under
+`--config`'s limits (the default's: 4 s), and prints the makespan, the short calls' latency, the
+replica's memory and the ratio against the first worker count (the baseline, measured in the
+same run).
 
     .venv/bin/python bench/sandbox_timeouts.py                         # workers 2,4,8,16
     .venv/bin/python bench/sandbox_timeouts.py --workers 2,16 --hangs 16
@@ -22,9 +23,10 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tasks.cluster.actors import sandbox_limits  # noqa: E402
+from tasks.config import load_config  # noqa: E402
 from tasks.records import ToolStatus  # noqa: E402
 from tasks.sandbox.client import SandboxClient  # noqa: E402
-from tasks.sandbox.executor import Limits  # noqa: E402
 from tasks.sandbox.server import SandboxService  # noqa: E402
 
 HANG = "import sys\nsys.set_int_max_str_digits(0)\nprint(str(9**9199 * 5**9**9190)[-1])"
@@ -63,10 +65,10 @@ def main() -> None:
     parser.add_argument("--workers", default="2,4,8,16", help="comma-separated; the first is the baseline")
     parser.add_argument("--hangs", type=int, default=9, help="programs that run to the limit")
     parser.add_argument("--short", type=int, default=100)
-    parser.add_argument("--timeout-s", type=float, default=4.0, help="the default's sandbox.program_timeout_s")
+    parser.add_argument("--config", default="configs/tiny.yaml", help="whose sandbox limits the programs run under")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    limits = Limits(timeout_s=args.timeout_s, cpu_s=max(1, int(args.timeout_s)), memory_mb=512)
+    limits = sandbox_limits(load_config(args.config).sandbox)
     baseline = None
     print("| workers | makespan s | short calls p50 / max s | memory MB idle (PSS) | ratio to baseline |")
     print("|---|---|---|---|---|")

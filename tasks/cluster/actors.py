@@ -19,7 +19,7 @@ from tasks.cluster.engines import EngineActor
 from tasks.cluster.sandboxes import SandboxActor
 from tasks.cluster.trainers import TrainerActor
 from tasks.config import RunConfig
-from tasks.config.roles import ActorResources
+from tasks.config.roles import ActorResources, SandboxConfig
 from tasks.sandbox.limits import Limits
 
 ENGINE_CONCURRENCY = 4  # a take waiting for turns, requests arriving, a control call
@@ -28,6 +28,16 @@ ENGINE_CONCURRENCY = 4  # a take waiting for turns, requests arriving, a control
 def _bundle(spec: ActorResources, gpus: float, cpus: float | None = None) -> dict[str, float]:
     bundle = {"CPU": spec.cpus if cpus is None else cpus, "GPU": gpus, **spec.resources}
     return {key: value for key, value in bundle.items() if value}
+
+
+def sandbox_limits(box: SandboxConfig) -> Limits:
+    """A replica's limits on each program, from the config's sandbox section."""
+    return Limits(
+        timeout_s=box.program_timeout_s,
+        cpu_s=max(1, int(box.program_timeout_s)),
+        memory_mb=box.memory_mb,
+        output_bytes=box.output_bytes,
+    )
 
 
 def _in_node_order(pg) -> list[int]:
@@ -113,18 +123,11 @@ class Placement:
         ]
         if sandbox_token is not None:
             box = cfg.sandbox
-            limits = Limits(
-                timeout_s=box.program_timeout_s,
-                cpu_s=max(1, int(box.program_timeout_s)),
-                memory_mb=box.memory_mb,
-                output_bytes=box.output_bytes,
-            )
-            spec = cfg.sandbox
-            pg = self._group([_bundle(spec, 0)] * spec.replicas, "SPREAD", "sandbox", timeout)
+            pg = self._group([_bundle(box, 0)] * box.replicas, "SPREAD", "sandbox", timeout)
             replica = ray.remote(SandboxActor)
             self.sandboxes = [
-                replica.options(**self._at(pg, b, spec, 0), max_restarts=spec.max_restarts).remote(
-                    index, box.workers, limits, str(run_dir / "logs"), sandbox_token, loopback
+                replica.options(**self._at(pg, b, box, 0), max_restarts=box.max_restarts).remote(
+                    index, box.workers, sandbox_limits(box), str(run_dir / "logs"), sandbox_token, loopback
                 )
                 for index, b in enumerate(_in_node_order(pg))
             ]
