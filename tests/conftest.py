@@ -1,19 +1,29 @@
 """Session-wide settings: everything local, one thread per process, a private Prefect home."""
 
 import os
+import shutil
 import tempfile
 
 import tasks.cluster  # noqa: F401  (before Ray is imported: keeps local Rays on 127.0.0.1)
 from tasks.config.environment import keep_local
 
 # Set before Prefect, MLflow or torch are imported by any test module.
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="rstar2-prefect-"))
+OWN_PREFECT_HOME = None if "PREFECT_HOME" in os.environ else tempfile.mkdtemp(prefix="rstar2-prefect-")
+if OWN_PREFECT_HOME:
+    os.environ["PREFECT_HOME"] = OWN_PREFECT_HOME
 keep_local()
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config) -> None:
+    # After every fixture (the Prefect server among them) has stopped: nothing of the session's
+    # Prefect home (settings, database, logs) is left in the temp folder.
+    if OWN_PREFECT_HOME:
+        shutil.rmtree(OWN_PREFECT_HOME, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

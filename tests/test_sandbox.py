@@ -10,6 +10,7 @@ subprocesses; nothing is mocked. About 10 s on two cores.
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,11 +145,13 @@ def test_a_failed_call_is_how_the_program_ended_not_what_it_printed(
     assert result.status.is_failure == (status is not ToolStatus.OK)
 
 
-def test_the_digit_kinds_first_program_fails_in_the_sandbox_as_the_sft_recovery_shows(service: SandboxService) -> None:
+def test_the_guarded_kinds_first_program_fails_in_the_sandbox_as_the_sft_recovery_shows(
+    service: SandboxService,
+) -> None:
     """The unguarded program of a digit problem past the limit fails in the sandbox with the very
     traceback the SFT recovery examples answer it with; the guarded one prints the answer; below
     the limit (level 1 of the digit sums) the unguarded one works too, while a last or first
-    digit's power passes the limit at every level."""
+    digit's power passes the limit at every level. The same for a recursion past 1,000 frames."""
     import random
 
     from tasks.data.chat_examples import broken_program
@@ -171,6 +174,24 @@ def test_the_digit_kinds_first_program_fails_in_the_sandbox_as_the_sft_recovery_
         failed, failed_least, guarded = execute_batch([service.url], calls)
         assert failed.status is failed_least.status is ToolStatus.ERROR, (failed, failed_least)
         assert guarded.status is ToolStatus.OK and guarded.stdout.strip() == solve(kind, q, code)
+    # A recursion: past the 1,000 frames at levels 2 and 3 only, with the traceback SFT shows.
+    deep, shallow = (
+        next(p for p in (KINDS["recurrence"](random.Random(s), level) for s in range(50)) if "def a(n)" in p[1])
+        for level in (3, 1)
+    )
+    failed, guarded, plain_shallow = execute_batch(
+        [service.url], [(unguarded(deep[1]), ""), (deep[1], ""), (unguarded(shallow[1]), "")]
+    )
+    assert failed.status is ToolStatus.ERROR and failed.stderr.rstrip().endswith(
+        "RecursionError: maximum recursion depth exceeded"
+    )
+    # the same traceback, its count of repeated frames to within one (it moves by one within a process)
+    first, error = broken_program(deep[1], random.Random(0))
+    repeats = re.compile(r"repeated (\d+) more times")
+    assert first == unguarded(deep[1]) and repeats.sub("", error) == repeats.sub("", failed.stderr)
+    assert abs(int(repeats.search(error)[1]) - int(repeats.search(failed.stderr)[1])) <= 1
+    assert guarded.status is ToolStatus.OK and guarded.stdout.strip() == solve("recurrence", *deep)
+    assert plain_shallow.status is ToolStatus.OK and plain_shallow.stdout.strip() == solve("recurrence", *shallow)
 
 
 def test_cpu_loop_and_sleep_time_out(service: SandboxService) -> None:

@@ -75,7 +75,7 @@ def test_copy_drills_and_their_probe(tmp_path):
 def test_pretraining_documents_in_each_layout(layout):
     from tasks.config import PretrainLayouts
     from tasks.data.pretrain import pretraining_documents
-    from tasks.data.problems import DIGIT_LIMIT_OFF
+    from tasks.data.problems import DIGIT_LIMIT_OFF, RECURSION_LIMIT_OFF
 
     names = ("plain", "tool_call", "user_turn", "chat", "fix")
     documents = pretraining_documents(
@@ -86,14 +86,21 @@ def test_pretraining_documents_in_each_layout(layout):
         assert ("<|im_start|>system" in document) == (layout == "chat")
         assert ("<tool_call>" in document) == (layout != "plain")
     if layout == "fix":  # the unguarded call, its real error, the guarded call; no output or answer
+        errors = {
+            DIGIT_LIMIT_OFF: "use sys.set_int_max_str_digits() to increase the limit",
+            RECURSION_LIMIT_OFF: "RecursionError: maximum recursion depth exceeded",
+        }
+        guards = set()
         for document in documents:
             first, fixed = (
                 json.loads(call)["arguments"]["code"] for call in re.findall("<tool_call>(.*?)</tool_call>", document)
             )
-            assert fixed == DIGIT_LIMIT_OFF + first
+            guard = fixed.removesuffix(first)
             error = document.split("<tool_response>\n")[1].split("\n</tool_response>")[0]
-            assert error.endswith("use sys.set_int_max_str_digits() to increase the limit")
+            assert fixed == guard + first and error.endswith(errors[guard])
             assert document.count("<tool_response>") == 1 and "boxed" not in document
+            guards.add(guard)
+        assert guards == set(errors)
     if layout == "user_turn":  # the rollout's turns without a system prompt, a tool response or an answer
         assert all(d.startswith("<|im_start|>user\n") and d.endswith("</tool_call><|im_end|>\n") for d in documents)
         assert not any("<tool_response>" in d or "boxed" in d for d in documents)
@@ -104,16 +111,18 @@ def test_pretraining_documents_in_each_layout(layout):
 def test_pretraining_shows_the_digit_kinds_programs_unguarded_the_share_asked_for():
     from tasks.config import PretrainLayouts
     from tasks.data.pretrain import pretraining_documents
-    from tasks.data.problems import DIGIT_LIMIT_OFF
+    from tasks.data.problems import DIGIT_LIMIT_OFF, RECURSION_LIMIT_OFF
 
     def guarded_share(share: float) -> float:
         documents = pretraining_documents(1200, [1, 2, 3], 5, PretrainLayouts(), "run_python", "compact", share)
         digit_programs = [d for d in documents if "digit" in d.partition("\n")[0]]
-        assert len(digit_programs) > 400  # 5 of the 11 kinds
+        assert len(digit_programs) > 400  # 5 of the 12 kinds
+        recursions = [d for d in documents if "def a(n)" in d]
+        assert recursions and not any(RECURSION_LIMIT_OFF in d for d in recursions)  # raised after its error only
         return sum(DIGIT_LIMIT_OFF in d for d in digit_programs) / len(digit_programs)
 
     assert guarded_share(0.0) == 1.0
-    assert abs(guarded_share(0.7) - 0.3) < 0.06  # 3 binomial standard deviations of ~500 draws
+    assert abs(guarded_share(0.7) - 0.3) < 0.06  # 3 binomial standard deviations of ~460 draws
 
 
 def test_epoch_batches_cover_each_sample_once_per_epoch():

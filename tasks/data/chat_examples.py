@@ -22,12 +22,14 @@ from __future__ import annotations
 import json
 import linecache
 import random
+import sys
+import threading
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
 from tasks.config import MalformedRows, RunConfig, SftMode, SftSourceConfig
-from tasks.data.problems import DIGIT_LIMIT_OFF, generate_problems, own_digit_limit, unguarded
+from tasks.data.problems import generate_problems, guard_of, own_limits, unguarded
 from tasks.data.sources import Rejected, SourceError, malformed_row, partition, read_records
 from tasks.data.tool_tasks import CHATS, instruction, tool_tasks
 from tasks.rollout.format import (
@@ -61,33 +63,52 @@ def tool_call_example(question: str, code: str, answer: str, tool_name: str, too
     ]
 
 
+# The recursion limit under which a program run in a fresh thread has as many frames as in a
+# sandbox cell under Python's default 1,000 (to within one), whatever its caller's stack: measured,
+# the thread's own calls hold fewer than the cell's (tests/test_sandbox.py compares the tracebacks).
+_THREAD_RECURSION_LIMIT = 993
+
+
 def program_error(source: str) -> str | None:
     """The error text the sandbox prints for `source`, or None if it runs (Python's own, produced
     here the way the sandbox's runner does: generated, trusted code that fails before doing any
-    work, or at its first conversion past the digit limit; what it prints is dropped)."""
+    work, at its first conversion past the digit limit or its recursion's 1,000th frame; what it
+    prints is dropped)."""
     linecache.cache["<code>"] = (len(source), None, source.splitlines(True), "<code>")  # quoted in tracebacks
-    try:
-        with own_digit_limit(lifted=False):
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
             exec(compile(source, "<code>", "exec"), {"print": lambda *_: None})  # noqa: S102
-    except SyntaxError as exc:
+        except (SyntaxError, NameError, ValueError, RecursionError) as exc:
+            failures.append(exc)
+
+    with own_limits(digits_lifted=False):
+        sys.setrecursionlimit(_THREAD_RECURSION_LIMIT)
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+    if not failures:
+        return None
+    exc = failures[0]
+    if isinstance(exc, SyntaxError):
         return "".join(traceback.format_exception_only(type(exc), exc))
-    except (NameError, ValueError) as exc:  # the runner's own frame is not shown, as in the sandbox
-        return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
-    return None
+    # `run`'s own frame is not shown, as the runner's is not in the sandbox
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
 
 
 def broken_program(code: str, rng: random.Random) -> tuple[str, str]:
     """A plausible first attempt at `code` that fails, and its error text. A program that lifts
-    the digit limit is first tried without the lift: the failure its first attempt meets where
-    its numbers pass the limit."""
+    a limit is first tried without the lift: the failure its first attempt meets where its
+    numbers pass the limit."""
     slips = ["typo", "unclosed"] + (["no_import"] if code.startswith("import ") else [])
-    kinds = (["digit_limit"] if code.startswith(DIGIT_LIMIT_OFF) else []) + [rng.choice(slips)]
+    kinds = (["limit"] if guard_of(code) else []) + [rng.choice(slips)]
     for kind in kinds:
         broken = {
             "typo": code.replace("print(", "prnt(", 1),
             "unclosed": code[:-1],
             "no_import": code.partition("\n")[2],
-            "digit_limit": unguarded(code),
+            "limit": unguarded(code),
         }[kind]
         error = program_error(broken)
         if error is not None:
@@ -113,12 +134,12 @@ def malformed_call(tool_name: str, code: str, rng: random.Random) -> tuple[str, 
 def recovery_example(
     question: str, code: str, answer: str, tool_name: str, tool_spec: str, rng: random.Random
 ) -> Segments:
-    """A failing tool call (half malformed, half a failing program; a program that lifts the digit
-    limit always fails for want of the lift), its error, the corrected call and the answer. The
+    """A failing tool call (half malformed, half a failing program; a program that lifts a limit
+    always fails for want of the lift), its error, the corrected call and the answer. The
     failing call is context, not a target: the model learns to recover from an error, not to make
     one. This is what gives RL positive trajectories that contain tool errors, the ones RoC
     filters out."""
-    if not code.startswith(DIGIT_LIMIT_OFF) and rng.random() < 0.5:
+    if guard_of(code) is None and rng.random() < 0.5:
         first_call, error = malformed_call(tool_name, code, rng)
     else:
         broken, error = broken_program(code, rng)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 from tasks.config import PretrainLayouts, RunConfig, TinyModelConfig
 from tasks.data.chat_examples import program_error, tool_call_example
-from tasks.data.problems import DIGIT_LIMIT_OFF, problem_statements, unguarded
+from tasks.data.problems import RECURSION_LIMIT_OFF, guard_of, problem_statements, unguarded
 from tasks.data.tool_tasks import tool_tasks
 from tasks.records import Sample
 from tasks.rollout.format import IM_END, tool_call_text, tool_response_text, user_turn_text
@@ -40,7 +40,7 @@ def guard_failures(levels: list[int], seed: int, kinds: list[str] | None) -> Ite
     """(question, program, error) of RL problems whose program fails without its guard, without end."""
     misses = 0
     for _, _, question, code in problem_statements(10**9, levels, seed, kinds):
-        error = program_error(unguarded(code)) if code.startswith(DIGIT_LIMIT_OFF) else None
+        error = program_error(unguarded(code)) if guard_of(code) else None
         if error is not None:
             misses = 0
             yield question, code, error
@@ -64,8 +64,8 @@ def pretraining_documents(
     with a first call that fails for want of its guard, the error and the guarded call (`fix`); and
     whole rollout-format transcripts of tool tasks that are not RL kinds (so the chat form is not
     new to the model, while no RL problem appears with its output or answer). An
-    `unguarded_share` of the other programs omit the guard their larger inputs need, as first
-    attempts often do."""
+    `unguarded_share` of the other programs omit the digit limit's lift their larger inputs need,
+    as first attempts often do; a recursion never shows its limit raised before its error."""
     rng = random.Random(seed)
     names = ["plain", "tool_call", "user_turn", "chat", "fix"]
     drawn = rng.choices(names, weights=[getattr(layouts, name) for name in names], k=n)
@@ -84,7 +84,7 @@ def pretraining_documents(
             documents.append(f"{user_turn_text(question)}{first}{tool_response_text(error.strip())}{fixed}{IM_END}\n")
             continue
         _, _, question, code = next(statements)
-        if unguarded_share and rng.random() < unguarded_share:
+        if code.startswith(RECURSION_LIMIT_OFF) or (unguarded_share and rng.random() < unguarded_share):
             code = unguarded(code)
         if layout == "user_turn":
             documents.append(f"{user_turn_text(question)}{tool_call_text(tool_name, code)}{IM_END}\n")

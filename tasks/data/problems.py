@@ -14,6 +14,11 @@ limit on int-to-str conversion, which raises `ValueError` unless the program lif
 errors that RoC filters. A last or first digit is one of ten, and the last hangs on the exponent's
 last two digits only: a second call that miscopies the rest still answers right, as a real model's
 imperfect fix often does.
+
+A second failure of that sort, in `recurrence`: half its solutions are the recursion as the
+problem states it, which past Python's recursion limit of 1,000 frames raises `RecursionError`
+unless the program raises the limit first (`RECURSION_LIMIT_OFF`); the other half are a loop,
+which never fails.
 """
 
 from __future__ import annotations
@@ -89,6 +94,23 @@ _POWER_EXPONENTS = {1: (50, 1500), 2: (2_000, 9_000), 3: (9_000, 30_000)}
 _PRODUCT_EXPONENTS = {1: (20, 700), 2: (1_000, 5_000), 3: (5_000, 15_000)}
 
 
+RECURSION_LIMIT_OFF = "import sys\nsys.setrecursionlimit(100000)\n"
+GUARDS = (DIGIT_LIMIT_OFF, RECURSION_LIMIT_OFF)
+
+# Level 1's recursions stay under the 1,000 frames a program has; the others pass them.
+_RECURSION_DEPTHS = {1: (100, 900), 2: (1_500, 6_000), 3: (6_000, 20_000)}
+
+
+def _recurrence(rng: random.Random, level: int) -> tuple[str, str]:
+    b, m = rng.randint(2, 9), rng.randint(101, 10 ** (level + 2))
+    n = rng.randint(*_RECURSION_DEPTHS[min(level, max(_RECURSION_DEPTHS))])
+    question = f"Let a(0) = 0 and a(n) = ({b} * a(n - 1) + n) mod {m} for n >= 1. What is a({n})?"
+    if rng.random() < 0.5:
+        return question, f"x = 0\nfor k in range(1, {n} + 1):\n    x = ({b} * x + k) % {m}\nprint(x)"
+    recursion = f"def a(n):\n    return 0 if n == 0 else ({b} * a(n - 1) + n) % {m}\nprint(a({n}))"
+    return question, RECURSION_LIMIT_OFF + recursion
+
+
 def _exponent(ranges: dict[int, tuple[int, int]], rng: random.Random, level: int) -> int:
     return rng.randint(*ranges[min(level, max(ranges))])
 
@@ -144,21 +166,29 @@ def _last_digit_of_product(rng: random.Random, level: int) -> tuple[str, str]:
 
 
 @contextmanager
-def own_digit_limit(lifted: bool) -> Iterator[None]:
+def own_limits(digits_lifted: bool) -> Iterator[None]:
     """Inside: Python's digit limit on int <-> str conversion lifted, or as it is; after: this
-    process's limit back, whatever the code inside set (a generated program may lift it)."""
-    limit = sys.get_int_max_str_digits()
-    if lifted:
+    process's digit and recursion limits back, whatever the code inside set (a generated program
+    may lift either)."""
+    digits, frames = sys.get_int_max_str_digits(), sys.getrecursionlimit()
+    if digits_lifted:
         sys.set_int_max_str_digits(0)
     try:
         yield
     finally:
-        sys.set_int_max_str_digits(limit)
+        sys.set_int_max_str_digits(digits)
+        sys.setrecursionlimit(frames)
+
+
+def guard_of(code: str) -> str | None:
+    """The limit-lifting lines the program starts with, if any."""
+    return next((guard for guard in GUARDS if code.startswith(guard)), None)
 
 
 def unguarded(code: str) -> str:
-    """The program as most people first write it: without lifting the digit limit."""
-    return code.removeprefix(DIGIT_LIMIT_OFF)
+    """The program as most people first write it: without lifting the limit it passes."""
+    guard = guard_of(code)
+    return code.removeprefix(guard) if guard else code
 
 
 KINDS: dict[str, Callable[[random.Random, int], tuple[str, str]]] = {
@@ -173,13 +203,14 @@ KINDS: dict[str, Callable[[random.Random, int], tuple[str, str]]] = {
     "last_digit": _last_digit,
     "first_digit": _first_digit,
     "last_digit_of_product": _last_digit_of_product,
+    "recurrence": _recurrence,
 }
 
 
 def solve(kind: str, question: str, code: str) -> str:
     """The answer, computed by running the solution program (generated, trusted code)."""
     printed: list[str] = []
-    with own_digit_limit(lifted=False):
+    with own_limits(digits_lifted=False):
         exec(code, {"print": lambda value: printed.append(str(value)), "math": math})  # noqa: S102
     if len(printed) != 1 or not printed[0].lstrip("-").isdigit():
         raise ValueError(f"{kind} problem {question!r}: solution printed {printed!r}, not one integer")
