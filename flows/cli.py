@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -74,8 +75,16 @@ def _plan(args: argparse.Namespace) -> None:
     print(format_plan(build_plan(cfg, resources, args.gpu_class)))
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    # Exits as the interpreter does, so that what the run started in this process (the temporary
+    # Prefect server, a local Ray) is stopped on the way out: Prefect ends a flow run on SIGTERM,
+    # then signals the process again for the handler that was there before its own.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     keep_local()
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     # The first start of the local Prefect API migrates a new database: on a busy 2-core machine
     # that took longer than Prefect's default 20 s and the run failed before it began.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")

@@ -1,5 +1,6 @@
 """The placement plan (tasks/cluster/plan.py) and `rstar2 plan`: where actors land, the memory
-arithmetic on hand-checked numbers, the resource descriptions, and each refusal's one line. No Ray.
+arithmetic on hand-checked numbers, the resource descriptions, and each refusal's one line; and
+how the runtime tells a SIGTERM that surfaced through Ray's calls from a fault. No Ray cluster.
 
 Run: .venv/bin/python -m pytest tests/test_plan.py -q
 """
@@ -389,3 +390,29 @@ def test_cli_plans_this_machine_without_starting_ray_or_torch(monkeypatch):
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "this machine" in out and out.strip().endswith("[]")
+
+
+def test_an_interrupt_is_found_behind_the_system_error_that_ray_s_compiled_code_raises_for_it():
+    """A signal handler's exception inside a compiled call comes out as a SystemError caused by it
+    (CPython's "returned a result with an exception set"): the runtime re-raises the interrupt, so
+    a SIGTERM is not retried as a fault. A plain fault stands for none."""
+    import signal
+
+    from prefect.exceptions import TerminationSignal
+
+    from tasks.cluster.connect import _sigterm_handler_kept, interrupt_behind
+
+    def compiled_call():
+        try:
+            raise TerminationSignal(signal.SIGTERM)
+        except TerminationSignal as exc:
+            raise SystemError("<cyfunction CoreWorker.wait> returned a result with an exception set") from exc
+
+    with pytest.raises(SystemError) as raised:
+        compiled_call()
+    assert isinstance(interrupt_behind(raised.value), TerminationSignal)
+    assert interrupt_behind(KeyError("fault")) is None and interrupt_behind(RuntimeError("x")) is None
+    ours = signal.getsignal(signal.SIGTERM)
+    with _sigterm_handler_kept():
+        signal.signal(signal.SIGTERM, lambda *_: None)  # what ray.init does
+    assert signal.getsignal(signal.SIGTERM) is ours

@@ -1,9 +1,12 @@
 """A run killed anywhere resumes to what its config implies. The pipeline (under rl.async one_step,
-or bounded) is SIGKILLed at seeded points and run again with the same run id after each:
+or bounded) is stopped at seeded points (SIGTERM first, then SIGKILL) and run again with the same
+run id after each:
 
-- The first attempt trains on 2 ranks and dies after stage 1's first checkpoint, while it draws
-  the next step's rollouts ahead; the others resume on 1 rank, as on a cluster that lost a node:
-  the checkpoint's ZeRO state is re-partitioned.
+- The first attempt trains on 2 ranks and is stopped with SIGTERM (as a Prefect cancel or a
+  scheduler stops it) after stage 1's first checkpoint, while it draws the next step's rollouts
+  ahead: it exits by itself with 143, without a retry, and leaves nothing running. The others
+  resume on 1 rank, as on a cluster that lost a node: the checkpoint's ZeRO state is
+  re-partitioned.
 - Each later kill point is the k-th rollout an attempt keeps (k seeded), then a seeded moment
   more, so kills land in a step's own rollouts, in the rollouts drawn ahead during an update, in
   the update, the checkpoint and the weight push.
@@ -190,14 +193,23 @@ def test_a_run_killed_anywhere_resumes_to_what_its_config_implies(
                 break
             time.sleep(delay)
             started += descendants(victim.pid) + placed_pids(run_dir)
-            os.killpg(victim.pid, signal.SIGKILL)  # the flow and everything it started
-            victim.wait()
+            if on_two_ranks:  # stopped as Prefect's cancel or a scheduler stops it: SIGTERM to the driver
+                attempt_log = log_path.stat().st_size
+                os.kill(victim.pid, signal.SIGTERM)
+                assert victim.wait(timeout=120) == 128 + signal.SIGTERM, log_path.read_text()[-4000:]
+                stopped = log_path.read_text()[attempt_log:]
+                assert "Crashed('Execution was aborted by a termination signal.')" in stopped, stopped[-4000:]
+                assert "AwaitingRetry" not in stopped, stopped[-4000:]  # not taken for a fault
+                assert wait_gone(started) == [], "the stopped attempt left processes running"
+            else:
+                os.killpg(victim.pid, signal.SIGKILL)  # the flow and everything it started
+                victim.wait()
             snapshots.update(kept_rollouts(run_dir))
             kills.append((k, round(delay, 2)))
             if on_two_ranks:
                 assert not (run_dir / "state" / "rl-stage1.json").exists()  # killed mid-stage
                 killed_walls = json.loads((run_dir / "state" / "wall.json").read_text())
-        if victim.returncode is None or victim.returncode < 0:  # the last one was killed: finish the run
+        if victim.returncode != 0:  # the last one was stopped: finish the run
             since = time.time()
             with log_path.open("ab") as log:
                 victim = subprocess.Popen(
@@ -208,7 +220,6 @@ def test_a_run_killed_anywhere_resumes_to_what_its_config_implies(
                 snapshots.update(rank_dies_in_an_update(run_dir, log_path, since))
                 started += placed_pids(run_dir)  # the failed attempt's actors, which its retry replaces
             assert victim.wait(timeout=900) == 0, log_path.read_text()[-4000:]
-        assert victim.returncode in (0, -signal.SIGKILL), log_path.read_text()[-4000:]
     finally:
         if victim is not None and victim.poll() is None:
             os.killpg(victim.pid, signal.SIGKILL)

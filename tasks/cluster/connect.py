@@ -9,6 +9,9 @@ already connected (a test's cluster) is used as it is and left running.
 from __future__ import annotations
 
 import os
+import signal
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import ray
@@ -51,6 +54,12 @@ class RayCluster:
     def start(self) -> RayCluster:
         if ray.is_initialized():
             return self
+        with _sigterm_handler_kept():
+            self._connect()
+        self.owned = True
+        return self
+
+    def _connect(self) -> None:
         if self.address:
             ray.init(address=self.address, runtime_env={"env_vars": worker_env()}, log_to_driver=True)
         else:
@@ -64,8 +73,6 @@ class RayCluster:
                 log_to_driver=True,
             )
             self.local = True
-        self.owned = True
-        return self
 
     def nodes(self) -> list[dict]:
         return live_nodes()
@@ -80,6 +87,33 @@ class RayCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextmanager
+def _sigterm_handler_kept():
+    """ray.init makes SIGTERM exit the driver from wherever it lands (sys.exit), inside Ray's own
+    calls too; a run keeps the handler it had (Prefect's, which ends a flow run as a crash, or the
+    CLI's), so that a SIGTERM stops the run and its actors rather than look like a fault."""
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGTERM, handler)
+
+
+def interrupt_behind(exc: BaseException) -> BaseException | None:
+    """The interrupt (a signal's exception, KeyboardInterrupt, SystemExit: none an Exception) that
+    `exc` stands for, if any: one raised by a signal handler while Ray's compiled code ran comes out
+    as a SystemError ("returned a result with an exception set"), which a retry would take for a
+    fault."""
+    seen = exc
+    while seen is not None:
+        if not isinstance(seen, Exception):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def node_address() -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from tasks.cluster.actors import Placement, placement_table
-from tasks.cluster.connect import RayCluster
+from tasks.cluster.connect import RayCluster, interrupt_behind
 from tasks.cluster.engines import EngineGroup
 from tasks.cluster.plan import build_plan, resources_from_ray_nodes
 from tasks.cluster.sandboxes import SandboxGroup
@@ -51,8 +51,8 @@ class Runtime:
     def __enter__(self) -> Runtime:
         try:
             self._start()
-        except BaseException:
-            self.__exit__()
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, exc.__traceback__)
             raise
         return self
 
@@ -98,6 +98,10 @@ class Runtime:
         self.tools = self.verifier = self.engines = self.sandboxes = self.trainer = None
         if failures and not any(exc):
             raise failures[0]
+        raised = exc[1] if exc else None
+        interrupt = interrupt_behind(raised) if raised is not None else None
+        if interrupt is not None and interrupt is not raised:
+            raise interrupt from None  # a SIGTERM, not a fault: Prefect ends the flow run, no retry
 
     def load_policy(self, model_dir: Path) -> None:
         """Serve a new model directory's weights from the running engines (same architecture)."""
