@@ -11,6 +11,8 @@ from tasks.config.environment import keep_local
 OWN_PREFECT_HOME = None if "PREFECT_HOME" in os.environ else tempfile.mkdtemp(prefix="rstar2-prefect-")
 if OWN_PREFECT_HOME:
     os.environ["PREFECT_HOME"] = OWN_PREFECT_HOME
+else:  # `make test`'s, under outputs/: Prefect makes its home folder, but not the parents
+    os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
 keep_local()
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
